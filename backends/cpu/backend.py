@@ -1,0 +1,31 @@
+"""CPU reference backend: the reference implementations of the IR ops are its kernels.
+
+It defines the truth other backends are validated against; with ``dtype=float64`` it is
+the validation oracle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from dinfer_rt.ir import OPS
+
+from dinfer_rt.backend import Availability, Backend, Capabilities
+from dinfer_rt.executor import Kernel
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    flavour = "reference"
+    device_type = "cpu"
+    priority = 0
+
+    def is_available(self) -> Availability:
+        return Availability(True, f"torch {torch.__version__} on the CPU, {torch.get_num_threads()} threads")
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64))
+
+    def kernels(self) -> Mapping[str, Kernel]:
+        return {name: op.reference for name, op in OPS.items()}

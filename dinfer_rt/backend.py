@@ -1,0 +1,72 @@
+"""The typed backend object: what a plugin registers and what the hot path calls.
+
+Hooks only find and register backends; a resolved :class:`Backend` then compiles
+graphs into :class:`~dinfer_rt.executor.Executable` programs that run without any
+plugin machinery in the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from dinfer_rt.executor import Executable, Kernel
+from dinfer_rt.ir import Graph
+
+
+@dataclass(frozen=True)
+class Availability:
+    ok: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    dtypes: tuple[torch.dtype, ...]
+    warp_size: int | None = None
+    alignment_bytes: int = 16
+    memory_bytes: int | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class Backend:
+    """Base class for backends. Subclasses set the class attributes and override the methods.
+
+    ``is_available`` must be cheap and must never initialise a device runtime.
+    """
+
+    name: str = "?"
+    flavour: str = "default"
+    arch: str | None = None
+    device_type: str = "cpu"
+    visible_devices_env: str | None = None
+    priority: int = 0  # auto-detect picks the available backend with the highest priority
+
+    def is_available(self) -> Availability:
+        return Availability(True, "ok")
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(dtypes=(torch.float32,))
+
+    def kernels(self) -> Mapping[str, Kernel]:
+        """IR op name -> kernel callable with the op's reference signature (none by default:
+        compiling a graph then fails naming the first op without a kernel)."""
+        return {}
+
+    def device(self) -> torch.device:
+        return torch.device(self.device_type)
+
+    def compile(self, graph: Graph, weights: Mapping[str, torch.Tensor]) -> Executable:
+        return Executable(graph, self.kernels(), weights, backend=self.name)
+
+    def versions(self) -> dict[str, str]:
+        return {"torch": torch.__version__}
+
+    def describe(self) -> str:
+        arch = f":{self.arch}" if self.arch else ""
+        return f"{self.name}:{self.flavour}{arch}"

@@ -1,0 +1,37 @@
+"""Every environment variable dinfer-rt reads, in one place (documented in README.md)."""
+
+from __future__ import annotations
+
+import os
+
+DINFER_BACKEND = "DINFER_BACKEND"
+"""Backend choice, ``name[:flavour[:arch]]``; unset means auto-detect. Written back once resolved."""
+DINFER_PLUGINS = "DINFER_PLUGINS"
+"""Comma-separated allowlist of plugin (entry-point) names to load; unset loads all."""
+DINFER_DISABLE_PLUGIN_AUTOLOAD = "DINFER_DISABLE_PLUGIN_AUTOLOAD"
+"""``1`` loads only the plugins shipped with dinfer-rt itself."""
+DINFER_TRACE_PLUGINS = "DINFER_TRACE_PLUGINS"
+"""``1`` prints every hook call and result to stderr."""
+DINFER_MODEL = "DINFER_MODEL"
+"""Default model folder for the CLI and ``LLM()``; unset means the embedded model."""
+
+ALL = (DINFER_BACKEND, DINFER_PLUGINS, DINFER_DISABLE_PLUGIN_AUTOLOAD, DINFER_TRACE_PLUGINS, DINFER_MODEL)
+
+
+def get(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+def flag(name: str) -> bool:
+    return (get(name) or "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def plugin_allowlist() -> set[str] | None:
+    raw = get(DINFER_PLUGINS)
+    return None if raw is None else {p.strip() for p in raw.split(",") if p.strip()}
+
+
+def snapshot() -> dict[str, str]:
+    """All ``DINFER_*`` variables currently set (for reports and ``dinfer-rt env``)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("DINFER_")}

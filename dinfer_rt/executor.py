@@ -1,0 +1,100 @@
+"""Turn a verified graph plus a kernel table into a flat, slot-indexed program.
+
+This is the hot path every backend can reuse: no dict lookups, no plugin calls, no
+type checks per op; just ``kernel(*slots, **attrs)`` in order, with each intermediate
+released after its last use so peak memory follows the graph's liveness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dinfer_rt.errors import BackendError, DinferError
+from dinfer_rt.ir import Graph
+
+Kernel = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Step:
+    kernel: Kernel
+    inputs: tuple[int, ...]  # slot per input; -1 for an absent optional input
+    outputs: tuple[int, ...]
+    attrs: dict[str, Any]
+    free: tuple[int, ...]  # slots whose last use is this step
+
+
+class Executable:
+    """A graph bound to kernels and weights; call with the graph inputs by name."""
+
+    def __init__(
+        self, graph: Graph, kernels: Mapping[str, Kernel], weights: Mapping[str, torch.Tensor], backend: str = "?"
+    ) -> None:
+        self.graph, self.backend = graph, backend
+        slot: dict[int, int] = {}
+
+        def slot_of(v) -> int:
+            return slot.setdefault(id(v), len(slot))
+
+        self.input_slots = [(v.name, v.type, slot_of(v)) for v in graph.inputs]
+        base: dict[int, torch.Tensor] = {}
+        for p in graph.params:
+            if p.name not in weights:
+                raise BackendError(f"{backend}: no weight for graph parameter {p.name!r}")
+            t = weights[p.name]
+            if not p.type.matches(t):
+                raise BackendError(f"{backend}: weight {p.name!r} is {t.dtype} {list(t.shape)}, graph expects {p.type}")
+            base[slot_of(p)] = t
+        keep = {id(v) for v in graph.outputs.values()} | {id(p) for p in graph.params}
+        last_use: dict[int, int] = {}
+        for i, node in enumerate(graph.nodes):
+            for v in node.inputs:
+                if v is not None and id(v) not in keep:
+                    last_use[id(v)] = i
+        steps = []
+        for i, node in enumerate(graph.nodes):
+            if node.op not in kernels:
+                raise BackendError(f"{backend}: no kernel for IR op {node.op!r}")
+            ins = tuple(-1 if v is None else slot_of(v) for v in node.inputs)
+            outs = tuple(slot_of(o) for o in node.outputs)
+            free = tuple(
+                slot[id(v)]
+                for v in {id(v): v for v in node.inputs if v is not None}.values()
+                if last_use.get(id(v)) == i and v.kind == "node"
+            )
+            steps.append(Step(kernels[node.op], ins, outs, dict(node.attrs), free))
+        self.steps = steps
+        self.n_slots = len(slot)
+        self.base = [base.get(i) for i in range(self.n_slots)]
+        self.output_slots = [(name, slot_of(v)) for name, v in graph.outputs.items()]
+
+    def check_inputs(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        bindings: dict[str, int] = {}
+        for name, typ, _ in self.input_slots:
+            t = inputs.get(name)
+            if t is None:
+                raise DinferError(f"{self.graph.name}: missing input {name!r} ({typ})")
+            if not typ.matches(t, bindings):
+                raise DinferError(
+                    f"{self.graph.name}: input {name!r} is {t.dtype} {list(t.shape)}, expected {typ} with {bindings}"
+                )
+
+    def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.check_inputs(inputs)
+        env: list[Any] = list(self.base)
+        for name, _, s in self.input_slots:
+            env[s] = inputs[name]
+        for st in self.steps:
+            result = st.kernel(*(None if i < 0 else env[i] for i in st.inputs), **st.attrs)
+            if len(st.outputs) == 1:
+                env[st.outputs[0]] = result
+            else:
+                for s, r in zip(st.outputs, result):
+                    env[s] = r
+            for s in st.free:
+                env[s] = None
+        return {name: env[s] for name, s in self.output_slots}

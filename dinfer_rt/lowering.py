@@ -1,0 +1,108 @@
+"""Lower a :class:`ModelSpec` to an IR graph: one generic decoder stack for all families.
+
+Graph inputs:
+  ``input_ids`` i64[B, T]   tokens computed by this forward
+  ``positions`` i64[B, T]   RoPE positions of those tokens
+  ``token_index`` i64[T]    sequence slot of each token (cache index, block-causal rule)
+  ``key_valid`` bool[B, S]  padding mask over keys (S == T without a cache)
+  ``k_cache.i``/``v_cache.i`` [B, S, KV, D] per layer, in the cached variant only
+Outputs: ``logits`` [B, T, V] (unshifted), and the updated caches in the cached variant.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dinfer_rt.dtypes import accumulate_dtype
+from dinfer_rt.ir import Graph, TensorType, Value
+from dinfer_rt.spec import ModelSpec, param_plan
+
+
+def lower(spec: ModelSpec, dtype: torch.dtype, *, cached: bool = False, block_size: int | None = None) -> Graph:
+    """Build and verify the forward graph of ``spec`` in compute dtype ``dtype``."""
+    acc = accumulate_dtype(dtype)
+    g = Graph(f"{spec.family}{'_cached' if cached else ''}")
+    ids = g.input("input_ids", TensorType(("B", "T"), torch.int64))
+    pos = g.input("positions", TensorType(("B", "T"), torch.int64))
+    tok = g.input("token_index", TensorType(("T",), torch.int64))
+    key_valid = g.input("key_valid", TensorType(("B", "S" if cached else "T"), torch.bool))
+    kvd = (spec.n_kv_heads, spec.head_dim)
+    caches = []
+    if cached:
+        for i in range(spec.n_layers):
+            caches.append(
+                (
+                    g.input(f"k_cache.{i}", TensorType(("B", "S", *kvd), dtype)),
+                    g.input(f"v_cache.{i}", TensorType(("B", "S", *kvd), dtype)),
+                )
+            )
+    P: dict[str, Value] = {}
+    for p in param_plan(spec):
+        P[p.name] = g.param(p.name, TensorType(p.shape, acc if p.keep_fp32 else dtype))
+    if spec.tie_embeddings:
+        P["lm_head"] = P["embed"]
+
+    h = g.op("embedding", ids, P["embed"])
+    scale = 1.0 / math.sqrt(spec.head_dim)
+    for i in range(spec.n_layers):
+        L = f"layers.{i}."
+        n = g.op("rms_norm", h, P[L + "attn_norm"], eps=spec.eps)
+        if spec.fused_qkv:
+            d, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+            q, k, v = g.op("split", g.op("linear", n, P[L + "qkv"]), sizes=(d, kv, kv))
+        else:
+            q, k, v = (g.op("linear", n, P[L + w], P.get(L + w + "_bias")) for w in "qkv")
+        q = g.op("view_heads", q, heads=spec.n_heads)
+        k = g.op("view_heads", k, heads=spec.n_kv_heads)
+        v = g.op("view_heads", v, heads=spec.n_kv_heads)
+        if spec.qk_norm:
+            q = g.op("rms_norm", q, P[L + "q_norm"], eps=spec.eps)
+            k = g.op("rms_norm", k, P[L + "k_norm"], eps=spec.eps)
+        q = g.op("rope", q, pos, theta=spec.rope_theta, rotary_dim=spec.rotary_dim)
+        k = g.op("rope", k, pos, theta=spec.rope_theta, rotary_dim=spec.rotary_dim)
+        bs = block_size if spec.block_causal else None
+        if cached:
+            a, kc, vc = g.op("attention", q, k, v, key_valid, tok, *caches[i], scale=scale, block_size=bs)
+            g.output(f"k_cache.{i}", kc)
+            g.output(f"v_cache.{i}", vc)
+        else:
+            a = g.op("attention", q, k, v, key_valid, tok, scale=scale, block_size=bs)
+        h = g.op("add", h, g.op("linear", g.op("merge_heads", a), P[L + "o"]))
+        m = g.op("rms_norm", h, P[L + "mlp_norm"], eps=spec.eps)
+        if spec.is_moe_layer(i):
+            y = _moe(g, spec, P, L, m, acc)
+        else:
+            y = _swiglu(g, m, P[L + "gate"], P[L + "up"], P[L + "down"])
+        h = g.op("add", h, y)
+    h = g.op("rms_norm", h, P["final_norm"], eps=spec.eps)
+    g.output("logits", g.op("linear", h, P["lm_head"]))
+    return g.verify()
+
+
+def _swiglu(g: Graph, x: Value, gate: Value, up: Value, down: Value) -> Value:
+    return g.op("linear", g.op("mul", g.op("silu", g.op("linear", x, gate)), g.op("linear", x, up)), down)
+
+
+def _moe(g: Graph, spec: ModelSpec, P: dict[str, Value], L: str, m: Value, acc: torch.dtype) -> Value:
+    moe = spec.moe
+    assert moe is not None
+    logits = g.op("linear", g.op("cast", m, dtype=acc), P[L + "router"])
+    if moe.router == "softmax":
+        w, idx = g.op("router_softmax_topk", logits, k=moe.top_k, renormalize=moe.renormalize)
+    else:
+        w, idx = g.op(
+            "router_sigmoid_grouped",
+            logits,
+            P[L + "expert_bias"],
+            k=moe.top_k,
+            n_group=moe.n_group,
+            topk_group=moe.topk_group,
+            renormalize=moe.renormalize,
+            scale=moe.routed_scale,
+        )
+    y = g.op("moe_experts", m, w, idx, P[L + "experts_gate_up"], P[L + "experts_down"])
+    if moe.n_shared:
+        y = g.op("add", y, _swiglu(g, m, P[L + "shared_gate"], P[L + "shared_up"], P[L + "shared_down"]))
+    return y

@@ -1,0 +1,163 @@
+"""A loaded model: spec, weights, tokenizer and compiled graphs on one backend.
+
+``forward`` is the one entry point for every family. It always returns per-position
+predictions (Dream's shifted logits are re-aligned so position i predicts token i), and
+with a :class:`KVCache` it computes only the requested positions, reading every other
+position's K/V from the cache and splicing the fresh K/V in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dinfer_rt.backend import Backend
+from dinfer_rt.errors import DinferError, GenerationError
+from dinfer_rt.executor import Executable
+from dinfer_rt.ir import Graph
+from dinfer_rt.lowering import lower
+from dinfer_rt.spec import ModelSpec
+from dinfer_rt.tokenizer import Tokenizer
+
+
+@dataclass
+class KVCache:
+    """Per-layer K/V buffers [B, S, KV, D], indexed by sequence position."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @property
+    def length(self) -> int:
+        return self.k[0].shape[1]
+
+
+class Model:
+    def __init__(
+        self,
+        path: Path,
+        spec: ModelSpec,
+        weights: dict[str, torch.Tensor],
+        tokenizer: Tokenizer | None,
+        backend: Backend,
+        dtype: torch.dtype,
+    ) -> None:
+        self.path, self.spec, self.weights, self.tokenizer = path, spec, weights, tokenizer
+        self.backend, self.dtype = backend, dtype
+        self.block_size = spec.default_block_size
+        self._compiled: dict[tuple[bool, int | None], Executable] = {}
+
+    # ---------------------------------------------------------------- graphs
+    def graph(self, cached: bool = False, block_size: int | None = None) -> Graph:
+        return self.executable(cached, block_size).graph
+
+    def executable(self, cached: bool, block_size: int | None = None) -> Executable:
+        bs = (block_size or self.block_size) if self.spec.block_causal else None
+        key = (cached, bs)
+        if key not in self._compiled:
+            self._compiled[key] = self.backend.compile(
+                lower(self.spec, self.dtype, cached=cached, block_size=bs), self.weights
+            )
+        return self._compiled[key]
+
+    # ---------------------------------------------------------------- ids
+    @property
+    def mask_id(self) -> int:
+        mid = self.spec.mask_id
+        if mid is None and self.tokenizer is not None:
+            mid = self.tokenizer.special_id("mask_token")
+        if mid is None:
+            raise DinferError(
+                f"{self.path}: no mask token id (config 'mask_token_id' or tokenizer_config 'mask_token')"
+            )
+        return mid
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.spec.eos_ids)
+        if self.tokenizer is not None:
+            for tok in ("<|eot_id|>", "<|im_end|>", "<|endoftext|>"):
+                i = self.tokenizer.token_id(tok)
+                if i is not None:
+                    ids.add(i)
+            eos = self.tokenizer.special_id("eos_token")
+            if eos is not None:
+                ids.add(eos)
+        return tuple(sorted(ids))
+
+    @property
+    def pad_id(self) -> int:
+        if self.spec.pad_id is not None:
+            return self.spec.pad_id
+        return self.eos_ids[0] if self.eos_ids else 0
+
+    # ---------------------------------------------------------------- forward
+    def positions(self, attention_mask: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
+        """RoPE positions: 0..N-1 (LLaDA, LLaDA-MoE, LLaDA2) or cumsum(mask)-1 with padding (Dream)."""
+        b, n = shape
+        if attention_mask is not None and self.spec.positions_from_padding:
+            return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        return torch.arange(n).expand(b, n)
+
+    def new_cache(self, batch: int, length: int) -> KVCache:
+        s = self.spec
+        shape = (batch, length, s.n_kv_heads, s.head_dim)
+        dev = self.backend.device()
+        return KVCache(
+            [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(s.n_layers)],
+            [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(s.n_layers)],
+        )
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        compute: torch.Tensor | None = None,
+        block_size: int | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, len(compute), V] predicting the tokens at positions ``compute``.
+
+        ``input_ids`` [B, N] is the whole sequence; ``attention_mask`` [B, N] marks real
+        tokens (1) versus padding (0). ``compute`` (default: all N) selects the positions
+        to run; with ``cache`` every other position's K/V is read from it.
+        """
+        if input_ids.dim() != 2:
+            raise GenerationError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
+        b, n = input_ids.shape
+        if n > self.spec.max_length:
+            raise GenerationError(f"sequence of {n} tokens exceeds the model's max length {self.spec.max_length}")
+        valid = torch.ones(b, n, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        want = torch.arange(n) if compute is None else compute.long()
+        if cache is None and compute is not None and len(want) != n:
+            raise GenerationError("computing a subset of positions needs a KV cache")
+        run = want
+        if self.spec.shift_logits:  # position i is predicted by the logit at i-1
+            run = torch.unique(torch.cat((want, (want - 1).clamp_min(0))))
+        pos = self.positions(attention_mask, (b, n))
+        dev = self.backend.device()
+        inputs = {
+            "input_ids": input_ids[:, run].to(dev),
+            "positions": pos[:, run].contiguous().to(dev),
+            "token_index": run.to(dev),
+            "key_valid": valid.to(dev),
+        }
+        if cache is not None:
+            if cache.length != n or cache.k[0].shape[0] != b:
+                raise GenerationError(
+                    f"KV cache holds [{cache.k[0].shape[0]}, {cache.length}] positions, the input is [{b}, {n}]"
+                )
+            for i in range(self.spec.n_layers):
+                inputs[f"k_cache.{i}"], inputs[f"v_cache.{i}"] = cache.k[i], cache.v[i]
+        out = self.executable(cache is not None, block_size)(inputs)
+        logits = out["logits"]
+        if self.spec.shift_logits:
+            where = torch.searchsorted(run, (want - 1).clamp_min(0)).to(logits.device)
+            logits = logits[:, where]
+        return logits
+
+    __call__ = forward

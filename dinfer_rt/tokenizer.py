@@ -1,0 +1,73 @@
+"""Tokenizer from ``tokenizer.json`` (``tokenizers``), chat template from ``tokenizer_config.json`` (jinja2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dinfer_rt.errors import TokenizerError
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path, model_vocab: int) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(f"{path}: not found (the model folder needs tokenizer.json)")
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:
+            raise TokenizerError(f"{path}: cannot be read by the tokenizers package: {e}") from None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        if self.vocab_size > model_vocab:
+            raise TokenizerError(
+                f"{path}: tokenizer has {self.vocab_size} tokens but the model's embedding has {model_vocab} rows"
+            )
+        cfg_path = model_dir / "tokenizer_config.json"
+        self.config: dict[str, Any] = {}
+        if cfg_path.is_file():
+            try:
+                self.config = json.loads(cfg_path.read_text())
+            except json.JSONDecodeError as e:
+                raise TokenizerError(f"{cfg_path}: not valid JSON ({e})") from None
+        self.chat_template: str | None = self.config.get("chat_template")
+        self._cfg_path = cfg_path
+
+    def token_id(self, token: str | dict | None) -> int | None:
+        if isinstance(token, dict):  # {"content": "<|...|>", ...} form
+            token = token.get("content")
+        return None if token is None else self._tok.token_to_id(token)
+
+    def special_id(self, key: str) -> int | None:
+        """Id of ``bos_token`` / ``eos_token`` / ``pad_token`` / ``mask_token`` named in tokenizer_config.json."""
+        return self.token_id(self.config.get(key))
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        unk = self.special_id("unk_token")
+        if unk is not None and unk in ids:
+            bad = sorted({ch for ch in text if self._tok.token_to_id(ch) is None})
+            raise TokenizerError(f"prompt {text!r} has characters the tokenizer does not know: {bad}")
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise TokenizerError(f"{self._cfg_path}: no 'chat_template'; run without chat mode")
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        try:
+            template = env.from_string(self.chat_template)
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"{self._cfg_path}: chat_template does not parse: {e}") from None
+        specials = {k: _content(self.config.get(k)) or "" for k in ("bos_token", "eos_token", "pad_token")}
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+
+
+def _content(token: Any) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token

@@ -1,0 +1,69 @@
+"""Assemble IR parameters from checkpoint tensors under a dtype policy."""
+
+from __future__ import annotations
+
+import torch
+
+from dinfer_rt.checkpoint import Checkpoint
+from dinfer_rt.dtypes import accumulate_dtype
+from dinfer_rt.errors import CheckpointError
+from dinfer_rt.spec import IGNORED_TENSOR_SUFFIXES, ModelSpec, ParamPlan, param_plan
+
+
+def check_tensors(ckpt: Checkpoint, spec: ModelSpec, plan: list[ParamPlan]) -> None:
+    """Missing, unexpected or mis-shaped tensors: one error naming the tensor and file."""
+    expected: dict[str, tuple[int, ...]] = {}
+    for p in plan:
+        expected.update(zip(p.sources, p.source_shapes))
+    present = ckpt.names()
+    missing = [n for n in expected if n not in present]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(
+            f"{ckpt.dir}: missing tensor {missing[0]!r}{more}; a {spec.family} model with this config.json "
+            f"needs shape {list(expected[missing[0]])}"
+        )
+    unexpected = sorted(n for n in present - expected.keys() if not n.endswith(IGNORED_TENSOR_SUFFIXES))
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise CheckpointError(
+            f"{ckpt.files[unexpected[0]]}: unexpected tensor {unexpected[0]!r}{more}: not part of a {spec.family} "
+            f"model with {spec.n_layers} layers as config.json describes"
+        )
+    for name, want in expected.items():
+        got = ckpt.shapes[name]
+        if got != want:
+            raise CheckpointError(
+                f"{ckpt.files[name]}: tensor {name!r} has shape {list(got)}, expected {list(want)} from config.json"
+            )
+
+
+def load_weights(ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Read every parameter once, converting each tensor to ``dtype`` as it is read.
+
+    Router weights and expert bias stay in fp32 (f64 in validation mode); stacked experts
+    are filled in place into one preallocated [E, ...] tensor.
+    """
+    plan = param_plan(spec)
+    check_tensors(ckpt, spec, plan)
+    acc = accumulate_dtype(dtype)
+    weights: dict[str, torch.Tensor] = {}
+    where: dict[str, tuple[ParamPlan, int]] = {}
+    for p in plan:
+        for slot, src in enumerate(p.sources):
+            where[src] = (p, slot)
+        if p.transform != "copy":
+            weights[p.name] = torch.empty(p.shape, dtype=dtype)
+    for src, tensor in ckpt.read(list(where)):
+        p, slot = where[src]
+        if p.transform == "copy":
+            weights[p.name] = tensor.to(acc if p.keep_fp32 else dtype)
+        elif p.transform == "stack":
+            weights[p.name][slot].copy_(tensor)
+        else:  # stack_pairs: (gate, up) of expert j fill rows [0:I] and [I:2I] of slot j
+            expert, half = divmod(slot, 2)
+            rows = tensor.shape[0]
+            weights[p.name][expert, half * rows : (half + 1) * rows].copy_(tensor)
+    if spec.tie_embeddings:
+        weights["lm_head"] = weights["embed"]
+    return weights

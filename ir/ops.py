@@ -1,0 +1,425 @@
+"""The op set: shape/dtype inference and the reference semantics of every IR op.
+
+The reference implementations are plain torch and define the truth every backend is
+checked against (the validation oracle runs them in float64). They are vectorised:
+no per-element Python. Ops with side effects declare them in ``mutates`` (input
+indices written in place, e.g. the KV cache spliced by ``attention``); their outputs
+alias those inputs, so a scheduler must keep reads of the old value before the write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from dinfer_rt.ir.types import TensorType, same_dim
+
+
+class OpTypeError(ValueError):
+    """An op was given inputs or attributes it cannot accept."""
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    infer: Callable[[Sequence[TensorType | None], dict[str, Any]], list[TensorType]]
+    reference: Callable[..., Any]
+    doc: str
+    min_inputs: int
+    max_inputs: int
+    mutates: tuple[int, ...] = field(default=())
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def op_def(name: str) -> OpDef:
+    try:
+        return OPS[name]
+    except KeyError:
+        raise OpTypeError(f"unknown IR op {name!r}; known ops: {', '.join(sorted(OPS))}") from None
+
+
+def _register(name: str, n_inputs: int | tuple[int, int], mutates: tuple[int, ...] = ()):
+    lo, hi = (n_inputs, n_inputs) if isinstance(n_inputs, int) else n_inputs
+
+    def wrap(infer):
+        def deco(ref):
+            OPS[name] = OpDef(name, infer, ref, (ref.__doc__ or "").strip(), lo, hi, mutates)
+            return ref
+
+        return deco
+
+    return wrap
+
+
+def _need(cond: bool, op: str, msg: str) -> None:
+    if not cond:
+        raise OpTypeError(f"{op}: {msg}")
+
+
+def _same_shape(op: str, a: TensorType, b: TensorType) -> None:
+    _need(a.rank == b.rank and all(same_dim(x, y) for x, y in zip(a.shape, b.shape)), op, f"shape mismatch {a} vs {b}")
+    _need(a.dtype == b.dtype, op, f"dtype mismatch {a} vs {b}")
+
+
+# ---------------------------------------------------------------- elementwise
+
+
+def _infer_binary(name):
+    def infer(ts, attrs):
+        _same_shape(name, ts[0], ts[1])
+        return [ts[0]]
+
+    return infer
+
+
+@_register("add", 2)(_infer_binary("add"))
+def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + b (same shape and dtype)."""
+    return a + b
+
+
+@_register("mul", 2)(_infer_binary("mul"))
+def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a * b (same shape and dtype)."""
+    return a * b
+
+
+def _infer_unary_float(name):
+    def infer(ts, attrs):
+        _need(ts[0].is_float, name, f"needs a float input, got {ts[0]}")
+        return [ts[0]]
+
+    return infer
+
+
+@_register("silu", 1)(_infer_unary_float("silu"))
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x)."""
+    return F.silu(x)
+
+
+def _infer_cast(ts, attrs):
+    _need(isinstance(attrs.get("dtype"), torch.dtype), "cast", "attr dtype must be a torch.dtype")
+    return [ts[0].with_dtype(attrs["dtype"])]
+
+
+@_register("cast", 1)(_infer_cast)
+def cast(x: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
+    """Convert x to ``dtype``."""
+    return x.to(dtype)
+
+
+# ---------------------------------------------------------------- embedding / linear / norms
+
+
+def _infer_embedding(ts, attrs):
+    ids, w = ts
+    _need(not ids.is_float, "embedding", f"ids must be integer, got {ids}")
+    _need(w.rank == 2, "embedding", f"weight must be [vocab, hidden], got {w}")
+    return [TensorType((*ids.shape, w.shape[1]), w.dtype)]
+
+
+@_register("embedding", 2)(_infer_embedding)
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Rows of ``weight`` selected by ``ids``."""
+    return F.embedding(ids, weight)
+
+
+def _infer_linear(ts, attrs):
+    x, w = ts[0], ts[1]
+    _need(w.rank == 2, "linear", f"weight must be [out, in], got {w}")
+    _need(same_dim(x.shape[-1], w.shape[1]), "linear", f"input {x} does not match weight {w} (in features)")
+    _need(x.dtype == w.dtype, "linear", f"dtype mismatch: input {x}, weight {w}")
+    if len(ts) == 3 and ts[2] is not None:
+        _need(ts[2].shape == (w.shape[0],), "linear", f"bias {ts[2]} does not match weight {w}")
+    return [TensorType((*x.shape[:-1], w.shape[0]), x.dtype)]
+
+
+@_register("linear", (2, 3))(_infer_linear)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias); weight in nn.Linear layout [out, in]."""
+    return F.linear(x, weight, bias)
+
+
+def _infer_rms_norm(ts, attrs):
+    x, w = ts
+    _need(w.rank == 1 and same_dim(w.shape[0], x.shape[-1]), "rms_norm", f"weight {w} does not match input {x}")
+    _need(attrs.get("eps", 0) > 0, "rms_norm", "attr eps must be > 0")
+    return [x]
+
+
+@_register("rms_norm", 2)(_infer_rms_norm)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: normalise in fp32 (or f64), cast back, then scale by weight.
+
+    Applied to a [B, T, H, D] tensor with a [D] weight it is the per-head QK-norm.
+    """
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    h = x.to(acc)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+# ---------------------------------------------------------------- shape ops
+
+
+def _infer_view_heads(ts, attrs):
+    x = ts[0]
+    heads = attrs["heads"]
+    last = x.shape[-1]
+    _need(isinstance(last, int) and last % heads == 0, "view_heads", f"last dim of {x} not divisible by {heads}")
+    return [x.with_shape(*x.shape[:-1], heads, last // heads)]
+
+
+@_register("view_heads", 1)(_infer_view_heads)
+def view_heads(x: torch.Tensor, *, heads: int) -> torch.Tensor:
+    """[..., H*D] -> [..., H, D]."""
+    return x.unflatten(-1, (heads, -1))
+
+
+def _infer_merge_heads(ts, attrs):
+    x = ts[0]
+    _need(x.rank >= 2 and all(isinstance(d, int) for d in x.shape[-2:]), "merge_heads", f"bad input {x}")
+    return [x.with_shape(*x.shape[:-2], x.shape[-2] * x.shape[-1])]
+
+
+@_register("merge_heads", 1)(_infer_merge_heads)
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """[..., H, D] -> [..., H*D]."""
+    return x.flatten(-2)
+
+
+def _infer_split(ts, attrs):
+    x, sizes = ts[0], attrs["sizes"]
+    _need(x.shape[-1] == sum(sizes), "split", f"sizes {sizes} do not sum to last dim of {x}")
+    return [x.with_shape(*x.shape[:-1], s) for s in sizes]
+
+
+@_register("split", 1)(_infer_split)
+def split(x: torch.Tensor, *, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """Split the last dim into consecutive pieces (e.g. LLaDA2's fused [q | k | v] rows)."""
+    return tuple(x.split(list(sizes), dim=-1))
+
+
+# ---------------------------------------------------------------- rope / attention
+
+
+def _infer_rope(ts, attrs):
+    x, pos = ts
+    _need(x.rank == 4, "rope", f"input must be [B, T, H, D], got {x}")
+    _need(pos.rank == 2 and not pos.is_float, "rope", f"positions must be integer [B, T], got {pos}")
+    rd = attrs["rotary_dim"]
+    _need(
+        isinstance(x.shape[-1], int) and 0 < rd <= x.shape[-1] and rd % 2 == 0,
+        "rope",
+        f"rotary_dim {rd} must be even and <= head_dim of {x}",
+    )
+    return [x]
+
+
+def rope_angles(
+    positions: torch.Tensor, rotary_dim: int, theta: float, acc: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, T, 1, rotary_dim] in ``acc`` (fp32, or f64 when validating), half-split layout."""
+    inv = theta ** (-torch.arange(0, rotary_dim, 2, dtype=acc, device=positions.device) / rotary_dim)
+    ang = positions.to(acc)[..., None] * inv
+    ang = torch.cat((ang, ang), dim=-1)[:, :, None, :]
+    return ang.cos(), ang.sin()
+
+
+@_register("rope", 2)(_infer_rope)
+def rope(x: torch.Tensor, positions: torch.Tensor, *, theta: float, rotary_dim: int) -> torch.Tensor:
+    """Rotary embedding, half-split (NeoX) layout, on the leading ``rotary_dim`` dims of each head.
+
+    Angles and the rotation run in fp32 (LLaDA's ``rope_full_precision``); f64 stays f64.
+    The remaining head dims pass through (partial rotary, LLaDA2).
+    """
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cos, sin = rope_angles(positions, rotary_dim, theta, acc)
+    rot, rest = x[..., :rotary_dim].to(acc), x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = rot * cos + torch.cat((-rot[..., half:], rot[..., :half]), dim=-1) * sin
+    return torch.cat((rotated.to(x.dtype), rest), dim=-1)
+
+
+def _infer_attention(ts, attrs):
+    q, k, v, key_valid, token_index = ts[:5]
+    _need(q.rank == 4 and k.rank == 4 and v.rank == 4, "attention", f"q/k/v must be [B, T, heads, D]: {q}, {k}, {v}")
+    _need(k.shape == v.shape, "attention", f"k {k} and v {v} differ")
+    _need(same_dim(q.shape[-1], k.shape[-1]), "attention", f"head_dim of q {q} and k {k} differ")
+    h, kv = q.shape[2], k.shape[2]
+    _need(
+        isinstance(h, int) and isinstance(kv, int) and h % kv == 0,
+        "attention",
+        f"query heads {h} not a multiple of kv heads {kv} (GQA)",
+    )
+    _need(
+        key_valid.dtype == torch.bool and key_valid.rank == 2,
+        "attention",
+        f"key_valid must be bool [B, S], got {key_valid}",
+    )
+    _need(
+        token_index.rank == 1 and not token_index.is_float,
+        "attention",
+        f"token_index must be integer [T], got {token_index}",
+    )
+    out = [q]
+    if len(ts) == 7:
+        kc, vc = ts[5], ts[6]
+        _need(
+            kc.rank == 4 and kc.shape[2:] == k.shape[2:] and kc.dtype == k.dtype,
+            "attention",
+            f"k cache {kc} does not match k {k}",
+        )
+        _need(kc.shape == vc.shape and kc.dtype == vc.dtype, "attention", f"k cache {kc} and v cache {vc} differ")
+        out += [kc, vc]
+    else:
+        _need(len(ts) == 5, "attention", "takes 5 inputs, or 7 with a KV cache")
+    return out
+
+
+def attention_mask(
+    key_valid: torch.Tensor, query_index: torch.Tensor, key_index: torch.Tensor, block_size: int | None
+) -> torch.Tensor:
+    """Bool [B, 1, T, S]: padding mask, plus block-causal (key block <= query block) when set."""
+    allowed = key_valid[:, None, None, :]
+    if block_size is not None:
+        causal = (key_index[None, :] // block_size) <= (query_index[:, None] // block_size)
+        allowed = allowed & causal[None, None]
+    # A query that may see nothing (a fully padded row) would give NaN; let it see everything.
+    return allowed | ~allowed.any(-1, keepdim=True)
+
+
+@_register("attention", (5, 7), mutates=(5, 6))(_infer_attention)
+def attention(
+    q, k, v, key_valid, token_index, k_cache=None, v_cache=None, *, scale: float, block_size: int | None = None
+):
+    """Scaled dot-product attention over [B, T, heads, D] with GQA and masks.
+
+    Without a cache, keys are this forward's T tokens (S == T). With a cache ([B, S, KV, D]
+    buffers indexed by sequence position), the fresh K/V are spliced in place at
+    ``token_index`` and the queries attend over all S slots; the cache outputs alias the
+    cache inputs. ``key_valid`` [B, S] masks padding; ``block_size`` adds the LLaDA2
+    block-causal rule on absolute positions (blocks aligned to position 0).
+    """
+    if k_cache is not None:
+        k_cache.index_copy_(1, token_index, k)
+        v_cache.index_copy_(1, token_index, v)
+        keys, values = k_cache, v_cache
+        key_index = torch.arange(k_cache.shape[1], device=q.device)
+    else:
+        keys, values, key_index = k, v, token_index
+    mask = attention_mask(key_valid, token_index, key_index, block_size)
+    groups = q.shape[2] // keys.shape[2]
+    qh, kh, vh = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+    if groups > 1:
+        kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale).transpose(1, 2)
+    if k_cache is not None:
+        return out, k_cache, v_cache
+    return out
+
+
+# ---------------------------------------------------------------- mixture of experts
+
+
+def _infer_router(name, with_bias):
+    def infer(ts, attrs):
+        logits = ts[0]
+        _need(logits.is_float, name, f"router logits must be float, got {logits}")
+        e, k = logits.shape[-1], attrs["k"]
+        _need(isinstance(e, int) and 0 < k <= e, name, f"top-k {k} must be in 1..{e}")
+        if with_bias:
+            _need(ts[1].shape == (e,), name, f"expert bias {ts[1]} does not match {e} experts")
+            g, tg = attrs["n_group"], attrs["topk_group"]
+            _need(
+                e % g == 0 and 0 < tg <= g and k <= tg * (e // g),
+                name,
+                f"group routing n_group={g} topk_group={tg} k={k} impossible with {e} experts",
+            )
+        shape = (*logits.shape[:-1], k)
+        return [
+            TensorType(shape, torch.float64 if logits.dtype == torch.float64 else torch.float32),
+            TensorType(shape, torch.int64),
+        ]
+
+    return infer
+
+
+@_register("router_softmax_topk", 1)(_infer_router("router_softmax_topk", False))
+def router_softmax_topk(logits: torch.Tensor, *, k: int, renormalize: bool):
+    """Softmax over experts (fp32), top-k; weights renormalised only if asked (LLaDA-MoE: not)."""
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    probs = logits.to(acc).softmax(-1)
+    w, idx = probs.topk(k, dim=-1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return w, idx
+
+
+@_register("router_sigmoid_grouped", 2)(_infer_router("router_sigmoid_grouped", True))
+def router_sigmoid_grouped(
+    logits: torch.Tensor, bias: torch.Tensor, *, k: int, n_group: int, topk_group: int, renormalize: bool, scale: float
+):
+    """LLaDA2 router: sigmoid scores (fp32); the expert bias is used for selection only.
+
+    Group score = sum of the top-2 biased scores in each of ``n_group`` groups; the best
+    ``topk_group`` groups are kept and the top-k experts chosen among them. Weights are the
+    unbiased scores of the chosen experts, renormalised if asked, times ``scale``.
+    """
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    s = logits.to(acc).sigmoid()
+    b = s + bias.to(acc)
+    e = s.shape[-1]
+    grouped = b.unflatten(-1, (n_group, e // n_group))
+    group_score = grouped.topk(min(2, e // n_group), dim=-1).values.sum(-1)
+    keep = group_score.topk(topk_group, dim=-1).indices
+    group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(-1, keep, True)
+    expert_mask = group_mask.repeat_interleave(e // n_group, dim=-1)
+    idx = b.masked_fill(~expert_mask, float("-inf")).topk(k, dim=-1).indices
+    w = s.gather(-1, idx)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return w * scale, idx
+
+
+def _infer_moe(ts, attrs):
+    x, w, idx, gu, down = ts
+    _need(
+        gu.rank == 3 and down.rank == 3, "moe_experts", f"expert weights must be [E, 2I, H] and [E, H, I]: {gu}, {down}"
+    )
+    e, two_i, hid = gu.shape
+    _need(down.shape == (e, hid, two_i // 2), "moe_experts", f"down weights {down} do not match gate/up {gu}")
+    _need(same_dim(x.shape[-1], hid) and x.dtype == gu.dtype, "moe_experts", f"input {x} does not match experts {gu}")
+    _need(
+        w.shape == idx.shape and w.shape[:-1] == x.shape[:-1],
+        "moe_experts",
+        f"routing weights {w} / indices {idx} do not match input {x}",
+    )
+    return [x]
+
+
+@_register("moe_experts", 5)(_infer_moe)
+def moe_experts(x, weights, indices, w_gate_up, w_down):
+    """Weighted sum over each token's chosen SwiGLU experts.
+
+    ``w_gate_up`` [E, 2I, H] stacks (gate, up) rows per expert; ``w_down`` is [E, H, I].
+    Tokens are grouped by expert so each expert runs one matmul over its tokens.
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    idx = indices.reshape(-1, indices.shape[-1])
+    wts = weights.reshape(idx.shape)
+    out = torch.zeros(flat.shape, dtype=weights.dtype, device=x.device)
+    inter = w_down.shape[-1]
+    for e in idx.unique().tolist():
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        gu = flat[tok] @ w_gate_up[e].T
+        h = F.silu(gu[:, :inter]) * gu[:, inter:]
+        y = h @ w_down[e].T
+        out.index_add_(0, tok, y.to(out.dtype) * wts[tok, slot, None])
+    return out.to(x.dtype).reshape(x.shape)

@@ -1,0 +1,370 @@
+"""Write tiny random checkpoints in the exact real layouts (config fields, tensor names, shapes).
+
+Used by the loader, lowering and reference-equivalence tests. Sizes are chosen to
+exercise GQA, odd head counts, partial rotary and sharded files while staying < 1 MB.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+MASK, EOS = 5, 1
+
+
+def _rand(gen: torch.Generator, *shape: int, scale: float | None = None) -> torch.Tensor:
+    scale = scale if scale is not None else shape[-1] ** -0.5
+    return torch.randn(*shape, generator=gen) * scale
+
+
+def _norm(gen: torch.Generator, n: int) -> torch.Tensor:
+    return 1.0 + 0.1 * torch.randn(n, generator=gen)
+
+
+def write_tokenizer(path: Path, vocab: int, mask_token: str = "<|mask|>", with_template: bool = True) -> None:
+    """A word-level tokenizer over ``vocab`` tokens: specials, then single characters."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<|pad|>", "<|endoftext|>", "<|startoftext|>", "<|unk|>", "<|eot_id|>", mask_token]
+    chars = [chr(ord("a") + i) for i in range(26)] + [chr(ord("A") + i) for i in range(26)] + list("0123456789 =+-")
+    toks = (specials + chars)[:vocab]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(toks)}, unk_token="<|unk|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    cfg = {
+        "bos_token": "<|startoftext|>",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "mask_token": mask_token,
+        "unk_token": "<|unk|>",
+    }
+    if with_template:
+        cfg["chat_template"] = (
+            "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}"
+            "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+        )
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+def save(
+    path: Path,
+    config: dict,
+    tensors: dict[str, torch.Tensor],
+    shards: int = 1,
+    dtype: torch.dtype = torch.float32,
+    vocab: int | None = None,
+) -> Path:
+    """Write config.json, safetensors (optionally sharded with an index) and a tokenizer."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
+    if shards == 1:
+        save_file(tensors, str(path / "model.safetensors"))
+    else:
+        names = list(tensors)
+        weight_map = {}
+        for s in range(shards):
+            part = names[s::shards]
+            fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            save_file({n: tensors[n] for n in part}, str(path / fname))
+            weight_map.update({n: fname for n in part})
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": weight_map,
+        }
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    write_tokenizer(path, vocab or config.get("embedding_size") or config["vocab_size"])
+    return path
+
+
+def llada(
+    path: Path,
+    *,
+    d: int = 48,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int | None = None,
+    mlp: int = 80,
+    vocab: int = 61,
+    seed: int = 0,
+    shards: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """LLaDA-8B layout (``model.transformer.*``; ``ff_out`` both MLP down and LM head)."""
+    g = torch.Generator().manual_seed(seed)
+    kv = kv_heads or heads
+    hd = d // heads
+    cfg = {
+        "architectures": ["LLaDAModelLM"],
+        "model_type": "llada",
+        "auto_map": {"AutoConfig": "configuration_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM"},
+        "d_model": d,
+        "n_layers": layers,
+        "n_heads": heads,
+        "n_kv_heads": kv,
+        "mlp_hidden_size": mlp,
+        "mlp_ratio": 4,
+        "activation_type": "silu",
+        "block_type": "llama",
+        "layer_norm_type": "rms",
+        "rms_norm_eps": 1e-5,
+        "rope": True,
+        "rope_theta": 500000.0,
+        "rope_full_precision": True,
+        "max_sequence_length": 256,
+        "vocab_size": vocab,
+        "embedding_size": vocab,
+        "weight_tying": False,
+        "include_bias": False,
+        "include_qkv_bias": False,
+        "attention_layer_norm": False,
+        "scale_logits": False,
+        "input_emb_norm": False,
+        "mask_token_id": MASK,
+        "eos_token_id": EOS,
+        "pad_token_id": EOS,
+        "precision": "amp_bf16",
+        "use_cache": False,
+    }
+    p = "model.transformer."
+    t = {
+        p + "wte.weight": _rand(g, vocab, d, scale=1.0),
+        p + "ln_f.weight": _norm(g, d),
+        p + "ff_out.weight": _rand(g, vocab, d),
+    }
+    for i in range(layers):
+        b = f"{p}blocks.{i}."
+        t |= {
+            b + "attn_norm.weight": _norm(g, d),
+            b + "q_proj.weight": _rand(g, heads * hd, d),
+            b + "k_proj.weight": _rand(g, kv * hd, d),
+            b + "v_proj.weight": _rand(g, kv * hd, d),
+            b + "attn_out.weight": _rand(g, d, heads * hd),
+            b + "ff_norm.weight": _norm(g, d),
+            b + "ff_proj.weight": _rand(g, mlp, d),
+            b + "up_proj.weight": _rand(g, mlp, d),
+            b + "ff_out.weight": _rand(g, d, mlp),
+        }
+    return save(path, cfg, t, shards, dtype)
+
+
+def _attn_qwen(g, t, b, d, heads, kv, hd, bias):
+    a = b + "self_attn."
+    t |= {
+        a + "q_proj.weight": _rand(g, heads * hd, d),
+        a + "k_proj.weight": _rand(g, kv * hd, d),
+        a + "v_proj.weight": _rand(g, kv * hd, d),
+        a + "o_proj.weight": _rand(g, d, heads * hd),
+    }
+    if bias:
+        t |= {
+            a + "q_proj.bias": _rand(g, heads * hd, scale=0.1),
+            a + "k_proj.bias": _rand(g, kv * hd, scale=0.1),
+            a + "v_proj.bias": _rand(g, kv * hd, scale=0.1),
+        }
+
+
+def _mlp(g, t, m, d, inter):
+    t |= {
+        m + "gate_proj.weight": _rand(g, inter, d),
+        m + "up_proj.weight": _rand(g, inter, d),
+        m + "down_proj.weight": _rand(g, d, inter),
+    }
+
+
+def dream(
+    path: Path,
+    *,
+    d: int = 56,
+    layers: int = 2,
+    heads: int = 7,
+    kv_heads: int = 1,
+    mlp: int = 72,
+    vocab: int = 61,
+    seed: int = 1,
+    shards: int = 1,
+    tie: bool = False,
+) -> Path:
+    """Dream layout: Qwen2 names, q/k/v biases, GQA, shifted logits."""
+    g = torch.Generator().manual_seed(seed)
+    hd = d // heads
+    cfg = {
+        "architectures": ["DreamModel"],
+        "model_type": "Dream",
+        "hidden_size": d,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "intermediate_size": mlp,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 512,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tie,
+        "mask_token_id": MASK,
+        "eos_token_id": EOS,
+        "pad_token_id": EOS,
+        "bos_token_id": 2,
+    }
+    t = {"model.embed_tokens.weight": _rand(g, vocab, d, scale=1.0), "model.norm.weight": _norm(g, d)}
+    if not tie:
+        t["lm_head.weight"] = _rand(g, vocab, d)
+    for i in range(layers):
+        b = f"model.layers.{i}."
+        t |= {b + "input_layernorm.weight": _norm(g, d), b + "post_attention_layernorm.weight": _norm(g, d)}
+        _attn_qwen(g, t, b, d, heads, kv_heads, hd, bias=True)
+        _mlp(g, t, b + "mlp.", d, mlp)
+    return save(path, cfg, t, shards)
+
+
+def llada_moe(
+    path: Path,
+    *,
+    d: int = 48,
+    layers: int = 2,
+    heads: int = 3,
+    head_dim: int = 16,
+    experts: int = 6,
+    top_k: int = 2,
+    inter: int = 24,
+    vocab: int = 61,
+    seed: int = 2,
+    shards: int = 1,
+) -> Path:
+    """LLaDA-MoE-7B-A1B layout: per-head QK-norm, softmax top-k router without renormalisation."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = {
+        "architectures": ["LLaDAMoEModelLM"],
+        "model_type": "llada",
+        "hidden_size": d,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": head_dim,
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "expert_intermediate_size": inter,
+        "dense_intermediate_size": 64,
+        "shared_expert_intermediate_size": 0,
+        "moe_layer_freq": 1,
+        "norm_topk_prob": False,
+        "qk_layernorm": True,
+        "partial_rotary_factor": 1.0,
+        "rope_theta": 50000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 512,
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+        "router_aux_loss_coef": 0.01,
+        "mask_token_id": MASK,
+        "eos_token_id": EOS,
+        "pad_token_id": EOS,
+    }
+    t = {
+        "model.embed_tokens.weight": _rand(g, vocab, d, scale=1.0),
+        "model.norm.weight": _norm(g, d),
+        "lm_head.weight": _rand(g, vocab, d),
+    }
+    for i in range(layers):
+        b = f"model.layers.{i}."
+        t |= {
+            b + "input_layernorm.weight": _norm(g, d),
+            b + "post_attention_layernorm.weight": _norm(g, d),
+            b + "self_attn.q_norm.weight": _norm(g, head_dim),
+            b + "self_attn.k_norm.weight": _norm(g, head_dim),
+            b + "mlp.gate.weight": _rand(g, experts, d),
+        }
+        _attn_qwen(g, t, b, d, heads, heads, head_dim, bias=False)
+        for e in range(experts):
+            _mlp(g, t, f"{b}mlp.experts.{e}.", d, inter)
+    return save(path, cfg, t, shards)
+
+
+def llada2(
+    path: Path,
+    *,
+    d: int = 64,
+    layers: int = 3,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    experts: int = 8,
+    top_k: int = 3,
+    n_group: int = 4,
+    topk_group: int = 2,
+    inter: int = 24,
+    dense_inter: int = 40,
+    shared: int = 1,
+    vocab: int = 61,
+    seed: int = 3,
+    shards: int = 1,
+    partial: float = 0.5,
+) -> Path:
+    """LLaDA2.0 (BailingMoeV2) layout: fused query_key_value, partial RoPE, group-limited sigmoid router."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = {
+        "architectures": ["LLaDA2MoeModelLM"],
+        "model_type": "llada2_moe",
+        "hidden_size": d,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "use_qkv_bias": False,
+        "use_qk_norm": True,
+        "partial_rotary_factor": partial,
+        "rope_theta": 600000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 512,
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+        "pad_token_id": EOS,
+        "eos_token_id": EOS,
+        "mask_token_id": MASK,
+        "first_k_dense_replace": 1,
+        "intermediate_size": dense_inter,
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": inter,
+        "num_shared_experts": shared,
+        "score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+    }
+    t = {
+        "model.word_embeddings.weight": _rand(g, vocab, d, scale=1.0),
+        "model.norm.weight": _norm(g, d),
+        "lm_head.weight": _rand(g, vocab, d),
+    }
+    for i in range(layers):
+        b = f"model.layers.{i}."
+        t |= {
+            b + "input_layernorm.weight": _norm(g, d),
+            b + "post_attention_layernorm.weight": _norm(g, d),
+            b + "attention.query_key_value.weight": _rand(g, (heads + 2 * kv_heads) * head_dim, d),
+            b + "attention.query_layernorm.weight": _norm(g, head_dim),
+            b + "attention.key_layernorm.weight": _norm(g, head_dim),
+            b + "attention.dense.weight": _rand(g, d, heads * head_dim),
+        }
+        if i == 0:
+            _mlp(g, t, b + "mlp.", d, dense_inter)
+            continue
+        t |= {
+            b + "mlp.gate.weight": _rand(g, experts, d),
+            b + "mlp.gate.expert_bias": 0.1 * torch.randn(experts, generator=g),
+        }
+        for e in range(experts):
+            _mlp(g, t, f"{b}mlp.experts.{e}.", d, inter)
+        if shared:
+            _mlp(g, t, b + "mlp.shared_experts.", d, inter * shared)
+    return save(path, cfg, t, shards)

@@ -1,0 +1,41 @@
+import pytest
+import torch
+
+from tests import checkpoints
+
+
+@pytest.fixture(autouse=True)
+def _isolate_backend_env(monkeypatch):
+    """Each test starts with no backend chosen and a fresh plugin registry."""
+    from dinfer_rt.plugins import registry
+
+    for var in ("DINFER_BACKEND", "DINFER_PLUGINS", "DINFER_DISABLE_PLUGIN_AUTOLOAD", "DINFER_TRACE_PLUGINS"):
+        monkeypatch.delenv(var, raising=False)
+    registry.cache_clear()
+    torch.manual_seed(0)
+    yield
+    registry.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def ckpt_dir(tmp_path_factory):
+    """Build each tiny checkpoint once per session: ckpt_dir(name) -> folder."""
+    built: dict[str, object] = {}
+    makers = {
+        "llada": lambda p: checkpoints.llada(p),
+        "llada_gqa_sharded": lambda p: checkpoints.llada(p, d=60, heads=6, kv_heads=2, shards=3, seed=7),
+        "dream": lambda p: checkpoints.dream(p),
+        "dream_sharded_tied": lambda p: checkpoints.dream(p, d=64, heads=4, kv_heads=4, shards=2, tie=True, seed=8),
+        "llada_moe": lambda p: checkpoints.llada_moe(p),
+        "llada2": lambda p: checkpoints.llada2(p),
+        "llada2_sharded": lambda p: checkpoints.llada2(
+            p, heads=8, kv_heads=1, head_dim=12, shards=2, partial=1.0, seed=9
+        ),
+    }
+
+    def get(name: str):
+        if name not in built:
+            built[name] = makers[name](tmp_path_factory.mktemp(name))
+        return built[name]
+
+    return get
