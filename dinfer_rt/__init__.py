@@ -1,9 +1,11 @@
 """dinfer-rt: an inference runtime for diffusion language models on many chips."""
 
 from dinfer_rt.errors import DinferError
+from dinfer_rt.llm import LLM, GenerationOutput
 from dinfer_rt.loader import load_model
 from dinfer_rt.model import KVCache, Model
+from dinfer_rt.sampling import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["DinferError", "KVCache", "Model", "__version__", "load_model"]
+__all__ = ["DinferError", "GenerationOutput", "KVCache", "LLM", "Model", "SamplingParams", "__version__", "load_model"]

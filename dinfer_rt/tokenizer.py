@@ -45,12 +45,12 @@ class Tokenizer:
         return self.token_id(self.config.get(key))
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        enc = self._tok.encode(text, add_special_tokens=False)
         unk = self.special_id("unk_token")
-        if unk is not None and unk in ids:
-            bad = sorted({ch for ch in text if self._tok.token_to_id(ch) is None})
-            raise TokenizerError(f"prompt {text!r} has characters the tokenizer does not know: {bad}")
-        return ids
+        if unk is not None and unk in enc.ids:
+            bad = sorted({text[a:b] for i, (a, b) in zip(enc.ids, enc.offsets) if i == unk})
+            raise TokenizerError(f"prompt {text!r} has text the tokenizer does not know: {bad}")
+        return enc.ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

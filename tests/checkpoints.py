@@ -45,10 +45,7 @@ def write_tokenizer(path: Path, vocab: int, mask_token: str = "<|mask|>", with_t
         "unk_token": "<|unk|>",
     }
     if with_template:
-        cfg["chat_template"] = (
-            "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}"
-            "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-        )
+        cfg["chat_template"] = "{{ bos_token }}{% for m in messages %}{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 

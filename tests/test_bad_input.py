@@ -180,3 +180,18 @@ def test_sharded_copy_still_loads(tmp_path):
     shutil.copytree(src, dst)
     _edit_tensors(dst, lambda t: None)
     assert dinfer_rt.load_model(dst).forward(torch.zeros(1, 3, dtype=torch.long)).shape == (1, 3, 61)
+
+
+def test_prompt_with_unknown_text(llada):
+    from dinfer_rt.errors import TokenizerError as TE
+
+    llm = dinfer_rt.LLM(llada)
+    with pytest.raises(TE, match=r"prompt 'ab!c' has text the tokenizer does not know: \['!'\]"):
+        llm.generate("ab!c", dinfer_rt.SamplingParams(chat=False, gen_length=4, block_length=4))
+
+
+def test_chat_template_is_applied(llada):
+    model = dinfer_rt.load_model(llada)
+    text = model.tokenizer.apply_chat_template([{"role": "user", "content": " abc "}])
+    assert text == "<|startoftext|>abc<|eot_id|>"
+    assert model.tokenizer.encode(text) == [2, 6, 7, 8, 4]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dinfer_rt.ir import OPS, Graph, IRError, Node, TensorType, Value
 from dinfer_rt.ir.ops import attention, router_sigmoid_grouped
 
@@ -12,8 +11,23 @@ F32 = torch.float32
 
 
 def test_every_op_documents_its_semantics():
-    assert {"embedding", "rms_norm", "linear", "add", "mul", "silu", "rope", "attention", "router_softmax_topk",
-            "router_sigmoid_grouped", "moe_experts", "split", "cast", "view_heads", "merge_heads"} <= set(OPS)
+    assert {
+        "embedding",
+        "rms_norm",
+        "linear",
+        "add",
+        "mul",
+        "silu",
+        "rope",
+        "attention",
+        "router_softmax_topk",
+        "router_sigmoid_grouped",
+        "moe_experts",
+        "split",
+        "cast",
+        "view_heads",
+        "merge_heads",
+    } <= set(OPS)
     for op in OPS.values():
         assert op.doc, op.name
 

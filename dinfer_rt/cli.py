@@ -1,0 +1,214 @@
+"""``dinfer-rt`` command line: generate, eval, ir, backends, env.
+
+Errors on bad input print ``error: <message>`` and exit 2 without a traceback;
+``--debug`` (before the command) re-raises to show it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from dinfer_rt import envs
+from dinfer_rt.errors import DinferError
+from dinfer_rt.sampling import CACHES, STRATEGIES, SamplingParams
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", type=Path, default=None, help="model folder (default: $DINFER_MODEL or the embedded model)"
+    )
+    p.add_argument("--backend", default=None, help="backend name[:flavour[:arch]] (default: $DINFER_BACKEND or auto)")
+    p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16, float64")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    d = SamplingParams()
+    p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy)
+    p.add_argument("--cache", choices=CACHES, default=d.cache)
+    p.add_argument("--threshold", type=float, default=d.threshold, help="confidence threshold (threshold rules)")
+    p.add_argument("--low-threshold", type=float, default=d.low_threshold, help="hierarchical: per-run threshold")
+    p.add_argument("--factor", type=float, default=d.factor, help="factor rule's f")
+    p.add_argument("--gen-length", type=int, default=d.gen_length)
+    p.add_argument("--block-length", type=int, default=d.block_length)
+    p.add_argument("--steps", type=int, default=None, help="step budget of scheduled rules (default: gen-length)")
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--sync-every", type=int, default=d.sync_every, help="check block completion every k steps")
+    p.add_argument("--no-early-stop", action="store_true", help="decode every block even after EOS")
+    p.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
+
+
+def _params(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        gen_length=a.gen_length,
+        block_length=a.block_length,
+        steps=a.steps,
+        strategy=a.strategy,
+        threshold=a.threshold,
+        low_threshold=a.low_threshold,
+        factor=a.factor,
+        temperature=a.temperature,
+        cache=a.cache,
+        batch_size=a.batch_size,
+        seed=a.seed,
+        sync_every=a.sync_every,
+        early_stop=not a.no_early_stop,
+        chat=not a.raw,
+    ).validate()
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from dinfer_rt.llm import LLM
+
+    llm = LLM(a.model, backend=a.backend, dtype=a.dtype)
+    outs = llm.generate(a.prompts, _params(a))
+    for o in outs:
+        if a.json:
+            print(json.dumps({"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids, **asdict(o.stats)}))
+        else:
+            s = o.stats
+            print(o.text)
+            print(
+                f"  [{s.tokens} tokens, {s.nfe} forwards, {s.tokens_per_forward:.2f} tokens/forward, {s.wall_s:.2f} s]",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def cmd_eval(a: argparse.Namespace) -> int:
+    from dinfer_rt.demo.bench import evaluate
+    from dinfer_rt.llm import LLM
+
+    llm = LLM(a.model, backend=a.backend, dtype=a.dtype)
+    r = evaluate(llm, _params(a), limit=a.limit, progress=not a.json)
+    if a.json:
+        print(json.dumps(r.as_dict()))
+    else:
+        print(
+            f"accuracy {r.accuracy:.4f} ({r.n} items) | NFE {r.nfe} | TPF {r.tpf:.2f} | "
+            f"{r.tokens_per_s:.1f} tokens/s | {r.wall_s:.1f} s"
+        )
+    return 0
+
+
+def cmd_ir(a: argparse.Namespace) -> int:
+    from dinfer_rt.dtypes import resolve_dtype
+    from dinfer_rt.loader import default_model_path
+    from dinfer_rt.lowering import lower
+    from dinfer_rt.spec import parse_spec
+
+    spec = parse_spec(a.model or default_model_path())
+    bs = a.block_size or spec.default_block_size
+    print(lower(spec, resolve_dtype(a.dtype), cached=a.cached, block_size=bs))
+    return 0
+
+
+def cmd_backends(a: argparse.Namespace) -> int:
+    from dinfer_rt.plugins import availability, registry
+
+    reg = registry()
+    rows = []
+    for name, cls in sorted(reg.backends.items()):
+        av = availability(cls)
+        b = cls()
+        rows.append(
+            {
+                "name": name,
+                "flavour": b.flavour,
+                "available": av.ok,
+                "reason": av.reason,
+                "device": b.device_type,
+                "plugin": reg.plugin_of[name],
+                "versions": b.versions(),
+            }
+        )
+    rows += [
+        {
+            "name": f.name,
+            "flavour": "-",
+            "available": False,
+            "reason": f.reason,
+            "device": "-",
+            "plugin": f.name,
+            "versions": {},
+        }
+        for f in reg.failures
+    ]
+    if a.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{'name':10} {'flavour':10} {'available':9}  {'device':6}  reason")
+    for r in rows:
+        print(f"{r['name']:10} {r['flavour']:10} {'yes' if r['available'] else 'no':9}  {r['device']:6}  {r['reason']}")
+    return 0
+
+
+def cmd_env(a: argparse.Namespace) -> int:
+    import torch
+
+    import dinfer_rt
+    from dinfer_rt.plugins import describe_all
+
+    print(f"dinfer-rt {dinfer_rt.__version__}")
+    print(f"python {platform.python_version()} on {platform.platform()}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("backends:")
+    print(describe_all())
+    print("environment:")
+    for k in envs.ALL:
+        print(f"  {k}={envs.get(k) or ''}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dinfer-rt", description="Diffusion LM inference runtime")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g.add_argument("prompts", nargs="+")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+    e = sub.add_parser("eval", help="accuracy and speed on the embedded model's held-out set")
+    e.add_argument("--limit", type=int, default=1000, help="first N held-out items (default all 1000)")
+    e.add_argument("--json", action="store_true", help="one JSON object: accuracy, nfe, tpf, tokens_per_s, wall_s, n")
+    _add_model_args(e)
+    _add_sampling_args(e)
+    e.set_defaults(func=cmd_eval, batch_size=50)
+    i = sub.add_parser("ir", help="print the IR graph of a model (from its config.json)")
+    i.add_argument("--model", type=Path, default=None)
+    i.add_argument("--dtype", default=None)
+    i.add_argument("--cached", action="store_true", help="the KV-cache variant of the graph")
+    i.add_argument("--block-size", type=int, default=None, help="block-causal block size (LLaDA2)")
+    i.set_defaults(func=cmd_ir)
+    b = sub.add_parser("backends", help="list backends and why each is or is not available")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_backends)
+    v = sub.add_parser("env", help="versions, backends and DINFER_* variables for a bug report")
+    v.set_defaults(func=cmd_env)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except DinferError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # output piped into `head` and closed early
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Held-out evaluation of the embedded model: accuracy, NFE, tokens per forward, tokens/s."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from dinfer_rt.demo import task
+from dinfer_rt.llm import LLM
+from dinfer_rt.sampling import SamplingParams
+
+
+@dataclass
+class EvalResult:
+    accuracy: float
+    nfe: int  # forwards summed over batches
+    tpf: float  # committed tokens per forward (per row: tokens / forwards of its batch)
+    tokens_per_s: float
+    wall_s: float
+    n: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def evaluate(llm: LLM, params: SamplingParams, limit: int = task.HELDOUT_SIZE, progress: bool = False) -> EvalResult:
+    items = task.heldout(limit)
+    start = time.perf_counter()
+    outs = llm.generate([it.letters for it in items], params, progress=progress)
+    wall = time.perf_counter() - start
+    correct = sum(task.check(it.letters, o.text) for it, o in zip(items, outs))
+    tokens = sum(o.stats.tokens for o in outs)
+    nfe_batches = {}
+    for i, o in enumerate(outs):
+        nfe_batches[i // params.batch_size] = o.stats.nfe
+    nfe = sum(nfe_batches.values())
+    row_forwards = sum(o.stats.nfe for o in outs)
+    return EvalResult(
+        accuracy=correct / len(items),
+        nfe=nfe,
+        tpf=tokens / max(row_forwards, 1),
+        tokens_per_s=tokens / wall if wall > 0 else 0.0,
+        wall_s=wall,
+        n=len(items),
+    )

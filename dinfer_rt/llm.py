@@ -1,0 +1,79 @@
+"""The vLLM-like entry point: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dinfer_rt.errors import GenerationError
+from dinfer_rt.generate import generate_batch
+from dinfer_rt.loader import load_model
+from dinfer_rt.model import Model
+from dinfer_rt.sampling import SamplingParams
+
+
+@dataclass
+class GenerationStats:
+    nfe: int  # forwards of the batch this prompt ran in
+    tokens: int  # tokens the model committed for this prompt
+    tokens_per_forward: float
+    wall_s: float  # wall time of its batch
+    tokens_per_s: float
+
+
+@dataclass
+class GenerationOutput:
+    prompt: str | list[int]
+    text: str
+    token_ids: list[int]  # generated ids up to (not including) the first EOS
+    stats: GenerationStats
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path | Model | None = None,
+        backend: str | None = None,
+        dtype: str | torch.dtype | None = None,
+    ) -> None:
+        self.model = model if isinstance(model, Model) else load_model(model, backend=backend, dtype=dtype)
+
+    def encode(self, prompt: str | list[int], chat: bool) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        tok = self.model.tokenizer
+        if tok is None:
+            raise GenerationError("this model was loaded without a tokenizer; pass token ids")
+        if not prompt.strip():
+            raise GenerationError("empty prompt")
+        if chat and tok.chat_template:
+            prompt = tok.apply_chat_template([{"role": "user", "content": prompt}])
+        return tok.encode(prompt)
+
+    def generate(
+        self, prompts: str | list[str] | list[list[int]], params: SamplingParams | None = None, progress: bool = False
+    ) -> list[GenerationOutput]:
+        params = (params or SamplingParams()).validate()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        encoded = [self.encode(p, params.chat) for p in prompts]
+        eos = set(self.model.eos_ids)
+        outputs: list[GenerationOutput] = []
+        bar = tqdm(total=len(encoded), desc="generate", disable=not progress, unit="prompt")
+        for i in range(0, len(encoded), params.batch_size):
+            chunk = encoded[i : i + params.batch_size]
+            res = generate_batch(self.model, chunk, params)
+            for r, ids in enumerate(res.tokens.tolist()):
+                cut = next((j for j, t in enumerate(ids) if t in eos), len(ids))
+                toks = int(res.committed[r])
+                stats = GenerationStats(
+                    res.nfe, toks, toks / max(res.nfe, 1), res.wall_s, toks / res.wall_s if res.wall_s > 0 else 0.0
+                )
+                text = self.model.tokenizer.decode(ids[:cut]) if self.model.tokenizer else ""
+                outputs.append(GenerationOutput(prompts[i + r], text, ids[:cut], stats))
+            bar.update(len(chunk))
+        bar.close()
+        return outputs

@@ -1,0 +1,178 @@
+"""Decision rules: which masked positions of the current block to commit at a step.
+
+Each rule sees the block's logits [B, L, V] (mask token already banned), which slots
+are still masked, and how many the linear schedule asks for at this step. It returns
+the candidate tokens and a commit mask. Invariants every rule keeps (property-tested):
+only masked slots are committed, at least one per row that still has masks, never the
+mask token itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+NEG = float("-inf")
+
+
+@dataclass
+class StepInput:
+    logits: torch.Tensor  # [B, L, V], float
+    masked: torch.Tensor  # [B, L] bool
+    quota: torch.Tensor  # [B] long: tokens the linear schedule asks for at this step
+    temperature: float
+    generator: torch.Generator | None
+    state: dict = field(default_factory=dict)  # per-block state for stateful rules (credit)
+
+
+def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Greedy at T=0; otherwise Gumbel-max in float64 (LLaDA: low precision hurts quality)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    z = logits.double()
+    u = torch.rand(z.shape, dtype=torch.float64, generator=generator).clamp_min(1e-30)
+    return (z - temperature * torch.log(-torch.log(u))).argmax(-1)
+
+
+def linear_schedule(n_masked: torch.Tensor, steps: int) -> torch.Tensor:
+    """[B] counts -> [B, steps]: step j commits k // S + (j < k % S) (LLaDA ``get_num_transfer_tokens``)."""
+    base = (n_masked // steps)[:, None].expand(-1, steps)
+    extra = (torch.arange(steps)[None, :] < (n_masked % steps)[:, None]).long()
+    return base + extra
+
+
+def _top_quota(score: torch.Tensor, masked: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
+    """Commit the ``quota[r]`` best-scoring masked slots of each row (batched, rank-masked top-k)."""
+    score = score.masked_fill(~masked, NEG)
+    order = score.argsort(dim=-1, descending=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(score.shape[-1]).expand_as(order))
+    q = torch.minimum(quota.clamp_min(1), masked.sum(-1))
+    return masked & (rank < q[:, None])
+
+
+def _confidence(logits: torch.Tensor, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = logits.float().softmax(-1)
+    return probs.gather(-1, x0[..., None]).squeeze(-1), probs
+
+
+def _at_least_one(commit: torch.Tensor, conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    best = conf.masked_fill(~masked, NEG).argmax(-1, keepdim=True)
+    forced = torch.zeros_like(commit).scatter_(-1, best, True) & masked
+    return (commit | forced) & masked
+
+
+def low_confidence(s: StepInput):
+    x0 = sample(s.logits, s.temperature, s.generator)
+    conf, _ = _confidence(s.logits, x0)
+    return x0, _top_quota(conf, s.masked, s.quota)
+
+
+def random_remask(s: StepInput):
+    x0 = sample(s.logits, s.temperature, s.generator)
+    score = torch.rand(s.masked.shape, generator=s.generator)
+    return x0, _top_quota(score, s.masked, s.quota)
+
+
+def maskgit_plus(s: StepInput):
+    return low_confidence(s)
+
+
+def topk_margin(s: StepInput):
+    x0 = sample(s.logits, s.temperature, s.generator)
+    top2 = s.logits.float().softmax(-1).topk(2, dim=-1).values
+    return x0, _top_quota(top2[..., 0] - top2[..., 1], s.masked, s.quota)
+
+
+def entropy(s: StepInput):
+    x0 = sample(s.logits, s.temperature, s.generator)
+    logp = s.logits.float().log_softmax(-1)
+    neg_entropy = (logp.exp() * logp).nan_to_num(0.0).sum(-1)
+    return x0, _top_quota(neg_entropy, s.masked, s.quota)
+
+
+def make_threshold(tau: float) -> Callable:
+    def threshold(s: StepInput):
+        x0 = sample(s.logits, s.temperature, s.generator)
+        conf, _ = _confidence(s.logits, x0)
+        return x0, _at_least_one(s.masked & (conf >= tau), conf, s.masked)
+
+    return threshold
+
+
+def make_factor(f: float) -> Callable:
+    """Fast-dLLM factor rule: commit the top n with (n + 1) * (1 - c_n) < f, at least one."""
+
+    def factor(s: StepInput):
+        x0 = sample(s.logits, s.temperature, s.generator)
+        conf, _ = _confidence(s.logits, x0)
+        c = conf.masked_fill(~s.masked, NEG).sort(-1, descending=True).values
+        n = torch.arange(1, c.shape[-1] + 1)
+        ok = ((n + 1) * (1 - c) < f) & (c > NEG)
+        count = ok.long().cumprod(-1).sum(-1)  # the scan stops at the first failure
+        return x0, _top_quota(conf, s.masked, count)  # a count of 0 still commits the best slot
+
+    return factor
+
+
+def make_hierarchical(high: float, low: float) -> Callable:
+    """dInfer hierarchical rule, per row: all slots above ``high``; plus, in each maximal run of
+    masked slots, its best slot if above ``low``; plus the row's best slot."""
+
+    def hierarchical(s: StepInput):
+        x0 = sample(s.logits, s.temperature, s.generator)
+        conf, _ = _confidence(s.logits, x0)
+        conf = conf.masked_fill(~s.masked, NEG)
+        b, L = s.masked.shape
+        start = s.masked & ~torch.nn.functional.pad(s.masked, (1, 0))[:, :L]
+        seg = start.long().cumsum(-1) * s.masked  # segment id per masked slot, 0 elsewhere
+        seg_max = torch.full((b, L + 1), NEG).scatter_reduce(1, seg, conf, reduce="amax")
+        rep = s.masked & (conf == seg_max.gather(1, seg)) & (conf > low)
+        return x0, _at_least_one((conf > high) | rep, conf, s.masked)
+
+    return hierarchical
+
+
+def make_credit(tau: float, decay: float, boost: float, alpha: float) -> Callable:
+    """dInfer credit decoding: accumulate per-slot credit for repeatedly top-ranked tokens and
+    threshold-decode on logits + alpha * log(1 + credit)."""
+
+    def credit(s: StepInput):
+        c = s.state.get("credit")
+        if c is None or c.shape != s.logits.shape:
+            c = torch.zeros(s.logits.shape, dtype=torch.float32)
+        else:
+            c = c * decay
+        p1, i1 = s.logits.float().softmax(-1).max(-1)
+        c.scatter_add_(-1, i1[..., None], (p1.pow(boost) * s.masked)[..., None])
+        s.state["credit"] = c
+        fused = s.logits.float() + alpha * torch.log1p(c)
+        x0 = sample(fused, s.temperature, s.generator)
+        conf, _ = _confidence(fused, x0)
+        return x0, _at_least_one(s.masked & (conf >= tau), conf, s.masked)
+
+    return credit
+
+
+SCHEDULED = ("low_confidence", "random", "maskgit_plus", "topk_margin", "entropy")
+
+
+def build(params) -> Callable[[StepInput], tuple[torch.Tensor, torch.Tensor]]:
+    """The decision rule named by ``params.strategy`` with its parameters bound."""
+    name = params.strategy
+    if name == "threshold":
+        return make_threshold(params.threshold)
+    if name == "factor":
+        return make_factor(params.factor)
+    if name == "hierarchical":
+        return make_hierarchical(params.threshold, params.low_threshold)
+    if name == "credit":
+        return make_credit(params.threshold, params.credit_decay, params.credit_boost, params.credit_alpha)
+    return {
+        "low_confidence": low_confidence,
+        "random": random_remask,
+        "maskgit_plus": maskgit_plus,
+        "topk_margin": topk_margin,
+        "entropy": entropy,
+    }[name]

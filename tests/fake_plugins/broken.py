@@ -1,0 +1,1 @@
+raise ImportError("libbroken.so: cannot open shared object file")

@@ -1,0 +1,62 @@
+"""The dinfer-rt command line: exit codes, one-line errors, --debug tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from dinfer_rt.cli import main
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dinfer_rt", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_ir_prints_the_graph(ckpt_dir, capsys):
+    assert main(["ir", "--model", str(ckpt_dir("llada2")), "--block-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("graph llada2(")
+    assert "router_sigmoid_grouped(" in out and "block_size=4" in out and "rotary_dim=8" in out
+
+
+def test_bad_model_exits_non_zero_without_traceback(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    r = run("ir", "--model", str(tmp_path))
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith("error: ") and "unsupported model_type 'bert'" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = run("--debug", "ir", "--model", str(tmp_path))
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_unknown_backend_env_is_a_clean_error(ckpt_dir, monkeypatch, capsys):
+    monkeypatch.setenv("DINFER_BACKEND", "nosuch")
+    assert main(["generate", "abc", "--model", str(ckpt_dir("llada"))]) == 2
+    err = capsys.readouterr().err
+    assert "error: unknown backend 'nosuch'" in err and "cpu: available" in err
+
+
+def test_backends_json(capsys):
+    assert main(["backends", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    cpu = next(r for r in rows if r["name"] == "cpu")
+    assert cpu["available"] is True and cpu["plugin"] == "cpu"
+
+
+def test_env_lists_variables(capsys, monkeypatch):
+    monkeypatch.setenv("DINFER_PLUGINS", "cpu")
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "dinfer-rt 0.1.0" in out and "DINFER_PLUGINS=cpu" in out
+
+
+def test_generate_json_on_a_tiny_model(ckpt_dir, capsys):
+    assert (
+        main(
+            ["generate", "abc", "--model", str(ckpt_dir("llada")), "--gen-length", "4", "--block-length", "4", "--json"]
+        )
+        == 0
+    )
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[0])
+    assert row["nfe"] == 4 and row["tokens"] == 4 and row["tokens_per_forward"] == 1.0

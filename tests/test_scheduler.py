@@ -1,0 +1,180 @@
+"""The shared scheduler: exactness against a plain LLaDA ``generate``, rule invariants, caches, batching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dinfer_rt
+from dinfer_rt import strategies
+from dinfer_rt.errors import GenerationError
+from dinfer_rt.generate import generate_batch
+from dinfer_rt.sampling import STRATEGIES, SamplingParams
+
+
+def reference_llada_generate(model, prompts, gen_length, block_length, steps):
+    """ML-GSAI/LLaDA ``generate`` (decoding.md §1) written plainly: T=0, low-confidence remasking,
+    left padding with an attention mask, a Python loop over rows for the top-k. One deliberate
+    deviation shared with dinfer-rt: the mask token's logit is banned before argmax/softmax."""
+    mask_id = model.mask_id
+    p = max(len(q) for q in prompts)
+    b = len(prompts)
+    x = torch.full((b, p + gen_length), mask_id, dtype=torch.long)
+    attn = torch.ones(b, p + gen_length, dtype=torch.long)
+    for r, q in enumerate(prompts):
+        x[r, : p - len(q)] = model.pad_id
+        attn[r, : p - len(q)] = 0
+        x[r, p - len(q) : p] = torch.tensor(q)
+    nb = gen_length // block_length
+    sb = steps // nb
+    for blk in range(nb):
+        lo, hi = p + blk * block_length, p + (blk + 1) * block_length
+        k = (x[:, lo:hi] == mask_id).sum(-1)
+        plan = [[int(k[r]) // sb + (1 if j < int(k[r]) % sb else 0) for j in range(sb)] for r in range(b)]
+        for j in range(sb):
+            masked = x == mask_id
+            logits = model.forward(x, attn if (attn == 0).any() else None).double()
+            logits[..., mask_id] = float("-inf")
+            x0 = logits.argmax(-1)
+            conf = logits.softmax(-1).gather(-1, x0[..., None]).squeeze(-1)
+            conf[:, hi:] = float("-inf")
+            conf = torch.where(masked, conf, torch.tensor(float("-inf"), dtype=conf.dtype))
+            x0 = torch.where(masked, x0, x)
+            for r in range(b):
+                if plan[r][j] == 0:
+                    continue
+                idx = conf[r].topk(plan[r][j]).indices
+                x[r, idx] = x0[r, idx]
+    return x[:, p:]
+
+
+@pytest.mark.parametrize("batch", [[[7, 8, 9, 10]], [[7, 8, 9, 10], [11, 12], [13, 14, 15, 16, 17, 18]]])
+def test_one_token_per_step_equals_reference_llada_generate(ckpt_dir, batch):
+    model = dinfer_rt.load_model(ckpt_dir("llada"))
+    params = SamplingParams(gen_length=12, block_length=4, strategy="low_confidence", early_stop=False)
+    got = generate_batch(model, batch, params)
+    want = reference_llada_generate(model, batch, 12, 4, 12)
+    assert torch.equal(got.tokens, want)
+    assert got.nfe == 12
+
+
+def test_batched_greedy_equals_each_prompt_alone(ckpt_dir):
+    model = dinfer_rt.load_model(ckpt_dir("llada"))
+    prompts = [[7, 8, 9, 10], [11, 12], [13, 14, 15, 16, 17, 18]]
+    for strategy in ("low_confidence", "threshold"):
+        params = SamplingParams(gen_length=8, block_length=4, strategy=strategy, threshold=0.3, early_stop=False)
+        together = generate_batch(model, prompts, params).tokens
+        for r, p in enumerate(prompts):
+            alone = generate_batch(model, [p], params).tokens
+            assert torch.equal(together[r], alone[0]), (strategy, r)
+
+
+@pytest.mark.parametrize("name", ["llada", "dream", "llada_moe", "llada2"])
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual", "vicinity"])
+def test_every_family_and_cache_policy_decodes_to_completion(ckpt_dir, name, cache):
+    model = dinfer_rt.load_model(ckpt_dir(name))
+    params = SamplingParams(
+        gen_length=8,
+        block_length=4,
+        strategy="threshold",
+        threshold=0.5,
+        cache=cache,
+        early_stop=False,
+        vicinity_warmup=1,
+    )
+    res = generate_batch(model, [[7, 8, 9], [10, 11]], params)
+    assert not (res.tokens == model.mask_id).any()
+    assert 2 <= res.nfe <= 8
+    assert res.committed.tolist() == [8, 8]
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_caches_are_exact_on_a_block_causal_model(ckpt_dir, cache):
+    """On LLaDA2 (block-causal) earlier blocks never see later ones, so K/V cached at a block's start
+    never go stale inside the block: cached decoding equals uncached decoding token for token.
+    (On bidirectional models the caches are approximate by design; the benchmark measures that.)"""
+    model = dinfer_rt.load_model(ckpt_dir("llada2"))
+    base = SamplingParams(gen_length=8, block_length=4, strategy="low_confidence", early_stop=False)
+    prompts = [[7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17]]  # blocks aligned to 0: the first holds the prompt tail
+    plain = generate_batch(model, prompts, base)
+    base.cache = cache
+    cached = generate_batch(model, prompts, base)
+    assert torch.equal(plain.tokens, cached.tokens)
+    assert not (plain.tokens == model.mask_id).any()
+    assert plain.nfe == cached.nfe
+
+
+def test_sync_every_counts_wasted_forwards(ckpt_dir):
+    model = dinfer_rt.load_model(ckpt_dir("llada"))
+    p = SamplingParams(gen_length=8, block_length=8, strategy="threshold", threshold=0.01, early_stop=False)
+    once = generate_batch(model, [[7, 8]], p)
+    p.sync_every = 4
+    unrolled = generate_batch(model, [[7, 8]], p)
+    assert torch.equal(once.tokens, unrolled.tokens)
+    assert unrolled.nfe >= once.nfe and unrolled.nfe % 4 == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"gen_length": 10, "block_length": 4}, "gen_length 10 is not a multiple of block_length 4"),
+        ({"threshold": 1.5}, "threshold 1.5 must be in (0, 1]"),
+        ({"threshold": 0.0}, "threshold 0.0 must be in (0, 1]"),
+        ({"strategy": "greedy"}, "unknown strategy 'greedy'"),
+        ({"cache": "paged"}, "unknown cache 'paged'"),
+        ({"steps": 3, "gen_length": 8, "block_length": 4}, "steps 3 must be a positive multiple of the 2 blocks"),
+    ],
+)
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(GenerationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        SamplingParams(**kwargs).validate()
+
+
+def test_prompt_too_long_and_empty_prompt(ckpt_dir):
+    llm = dinfer_rt.LLM(ckpt_dir("llada"))
+    with pytest.raises(GenerationError, match="exceeds the model's max length 256"):
+        llm.generate([[7] * 250], SamplingParams(gen_length=8, block_length=8))
+    with pytest.raises(GenerationError, match="empty prompt"):
+        llm.generate("   ")
+
+
+# ------------------------------------------------------------------ rule invariants (hypothesis)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    strategy=st.sampled_from(STRATEGIES),
+    seed=st.integers(0, 10_000),
+    length=st.integers(1, 12),
+    batch=st.integers(1, 3),
+    temperature=st.sampled_from([0.0, 1.0]),
+)
+def test_rule_invariants_over_random_logits(strategy, seed, length, batch, temperature):
+    """Never commits the mask token or an unmasked slot, >= 1 commit per step per row with masks,
+    committed tokens never change, and the block finishes within ``length`` steps."""
+    mask_id, vocab = 3, 9
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(strategy=strategy, threshold=0.7, temperature=temperature).validate()
+    rule = strategies.build(params)
+    x = torch.full((batch, length), mask_id)
+    x[:, 0] = torch.where(torch.rand(batch, generator=g) < 0.5, 1, mask_id)  # some rows start partly decoded
+    plan = strategies.linear_schedule((x == mask_id).sum(-1), length)
+    state: dict = {}
+    for step in range(length):
+        masked = x == mask_id
+        if not masked.any():
+            break
+        logits = torch.randn(batch, length, vocab, generator=g) * 3
+        logits[..., mask_id] += 10  # the model loves the mask token: it must still never be committed
+        logits[..., mask_id] = float("-inf")  # (the scheduler bans it before any rule runs)
+        quota = plan[:, step] if strategy in strategies.SCHEDULED else torch.ones(batch, dtype=torch.long)
+        x0, commit = rule(strategies.StepInput(logits, masked, quota, temperature, g, state))
+        assert not (commit & ~masked).any()
+        assert ((commit.sum(-1) >= 1) | ~masked.any(-1)).all()
+        assert not (x0[commit] == mask_id).any()
+        before = x.clone()
+        x = torch.where(commit, x0, x)
+        assert torch.equal(x[~masked], before[~masked])
+    assert not (x == mask_id).any()
