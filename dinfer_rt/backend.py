@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dinfer_rt.executor import Executable, Kernel
-from dinfer_rt.ir import Graph
+from dinfer_rt.ir import OPS, Graph
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,33 @@ class Backend:
         compiling a graph then fails naming the first op without a kernel)."""
         return {}
 
+    def fallback_kernels(self) -> Mapping[str, Kernel]:
+        """Declared fallback for ops without a native kernel: the op's reference torch
+        implementation, run on this backend's device. Every use is counted and shown."""
+        return {name: op.reference for name, op in OPS.items()}
+
+    def kernel_table(self) -> dict[str, tuple[Kernel, str]]:
+        """IR op -> (kernel, source): native kernels, then plugin-registered ones, else the fallback."""
+        from dinfer_rt.plugins import plugin_kernels
+
+        table = {op: (k, "fallback:reference") for op, k in self.fallback_kernels().items()}
+        table.update({op: (k, "native") for op, k in self.kernels().items()})
+        for plugin, kernels in plugin_kernels(self.name):
+            table.update({op: (k, f"plugin:{plugin}") for op, k in kernels.items()})
+        return table
+
     def device(self) -> torch.device:
         return torch.device(self.device_type)
 
     def compile(self, graph: Graph, weights: Mapping[str, torch.Tensor]) -> Executable:
-        return Executable(graph, self.kernels(), weights, backend=self.name)
+        table = self.kernel_table()
+        return Executable(
+            graph,
+            {op: k for op, (k, _) in table.items()},
+            weights,
+            backend=self.name,
+            sources={op: src for op, (_, src) in table.items()},
+        )
 
     def versions(self) -> dict[str, str]:
         return {"torch": torch.__version__}

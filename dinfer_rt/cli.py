@@ -37,6 +37,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-length", type=int, default=d.block_length)
     p.add_argument("--steps", type=int, default=None, help="step budget of scheduled rules (default: gen-length)")
     p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--cfg-scale", type=float, default=d.cfg_scale, help="classifier-free guidance (0: off)")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--sync-every", type=int, default=d.sync_every, help="check block completion every k steps")
@@ -54,6 +55,7 @@ def _params(a: argparse.Namespace) -> SamplingParams:
         low_threshold=a.low_threshold,
         factor=a.factor,
         temperature=a.temperature,
+        cfg_scale=a.cfg_scale,
         cache=a.cache,
         batch_size=a.batch_size,
         seed=a.seed,
@@ -97,6 +99,48 @@ def cmd_eval(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    """Per-step latency percentiles, tokens/s and peak memory for one configuration."""
+    import resource
+    import statistics
+
+    from dinfer_rt.demo import task
+    from dinfer_rt.generate import generate_batch
+    from dinfer_rt.llm import LLM
+
+    llm = LLM(a.model, backend=a.backend, dtype=a.dtype)
+    params = _params(a)
+    prompts = [llm.encode(it.letters, params.chat) for it in task.heldout(a.batch_size)]
+    for _ in range(a.warmup):
+        generate_batch(llm.model, prompts, params)
+    steps: list[float] = []
+    tokens, wall = 0, 0.0
+    for _ in range(a.iters):
+        r = generate_batch(llm.model, prompts, params)
+        steps += r.step_s
+        tokens += int(r.committed.sum())
+        wall += r.wall_s
+    q = statistics.quantiles(steps, n=100) if len(steps) > 1 else steps * 99
+    result = {
+        "backend": llm.model.backend.describe(),
+        "batch_size": a.batch_size,
+        "warmup": a.warmup,
+        "iters": a.iters,
+        "forwards": len(steps),
+        "step_ms_p50": 1e3 * q[49],
+        "step_ms_p90": 1e3 * q[89],
+        "step_ms_p99": 1e3 * q[98],
+        "tokens_per_s": tokens / wall,
+        "tokens_per_batch_forward": tokens / len(steps),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    if a.json:
+        print(json.dumps(result))
+    else:
+        print(" | ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
+    return 0
+
+
 def cmd_ir(a: argparse.Namespace) -> int:
     from dinfer_rt.dtypes import resolve_dtype
     from dinfer_rt.loader import default_model_path
@@ -105,7 +149,20 @@ def cmd_ir(a: argparse.Namespace) -> int:
 
     spec = parse_spec(a.model or default_model_path())
     bs = a.block_size or spec.default_block_size
-    print(lower(spec, resolve_dtype(a.dtype), cached=a.cached, block_size=bs))
+    graph = lower(spec, resolve_dtype(a.dtype), cached=a.cached, block_size=bs)
+    if a.backend is None:
+        print(graph)
+        return 0
+    from dinfer_rt.executor import Executable
+    from dinfer_rt.plugins import registry
+
+    reg = registry()
+    if a.backend not in reg.backends:  # listing kernels needs no device, so unavailable backends are fine
+        from dinfer_rt.plugins import select_backend
+
+        select_backend(a.backend)  # raises the standard unknown-backend error
+    table = reg.backends[a.backend]().kernel_table()
+    print(Executable.annotate(graph, {op: src for op, (_, src) in table.items()}, a.backend))
     return 0
 
 
@@ -160,6 +217,13 @@ def cmd_env(a: argparse.Namespace) -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("backends:")
     print(describe_all())
+    from dinfer_rt.plugins import env_info
+
+    info = env_info()
+    if info:
+        print("plugins:")
+        for k, v in sorted(info.items()):
+            print(f"  {k}: {v}")
     print("environment:")
     for k in envs.ALL:
         print(f"  {k}={envs.get(k) or ''}")
@@ -182,11 +246,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(e)
     _add_sampling_args(e)
     e.set_defaults(func=cmd_eval, batch_size=50)
+    k = sub.add_parser("bench", help="per-step latency, tokens/s and peak memory of one configuration")
+    k.add_argument("--warmup", type=int, default=1)
+    k.add_argument("--iters", type=int, default=3)
+    k.add_argument("--json", action="store_true")
+    _add_model_args(k)
+    _add_sampling_args(k)
+    k.set_defaults(func=cmd_bench, batch_size=8)
     i = sub.add_parser("ir", help="print the IR graph of a model (from its config.json)")
     i.add_argument("--model", type=Path, default=None)
     i.add_argument("--dtype", default=None)
     i.add_argument("--cached", action="store_true", help="the KV-cache variant of the graph")
     i.add_argument("--block-size", type=int, default=None, help="block-causal block size (LLaDA2)")
+    i.add_argument("--backend", default=None, help="mark which kernel each node gets on this backend")
     i.set_defaults(func=cmd_ir)
     b = sub.add_parser("backends", help="list backends and why each is or is not available")
     b.add_argument("--json", action="store_true")

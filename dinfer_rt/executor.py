@@ -7,6 +7,7 @@ released after its last use so peak memory follows the graph's liveness.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +33,17 @@ class Executable:
     """A graph bound to kernels and weights; call with the graph inputs by name."""
 
     def __init__(
-        self, graph: Graph, kernels: Mapping[str, Kernel], weights: Mapping[str, torch.Tensor], backend: str = "?"
+        self,
+        graph: Graph,
+        kernels: Mapping[str, Kernel],
+        weights: Mapping[str, torch.Tensor],
+        backend: str = "?",
+        sources: Mapping[str, str] | None = None,
     ) -> None:
         self.graph, self.backend = graph, backend
+        sources = sources or {}
+        # Ops served by a declared fallback rather than a native kernel, counted per op.
+        self.fallbacks = Counter(n.op for n in graph.nodes if sources.get(n.op, "native").startswith("fallback"))
         slot: dict[int, int] = {}
 
         def slot_of(v) -> int:
@@ -71,6 +80,21 @@ class Executable:
         self.n_slots = len(slot)
         self.base = [base.get(i) for i in range(self.n_slots)]
         self.output_slots = [(name, slot_of(v)) for name, v in graph.outputs.items()]
+
+    @staticmethod
+    def annotate(graph: Graph, sources: Mapping[str, str], backend: str) -> str:
+        """The graph text with each node's kernel source (``native``, ``plugin:X``, ``fallback:...``)
+        and a count of fallbacks: what ``dinfer-rt ir --backend X`` prints."""
+        lines = str(graph).splitlines()
+        first = next(i for i, line in enumerate(lines) if line.startswith("  %"))
+        fallbacks: Counter[str] = Counter()
+        for i, node in enumerate(graph.nodes):
+            src = sources.get(node.op, "missing")
+            lines[first + i] += f"    # {src}"
+            if src.startswith("fallback"):
+                fallbacks[node.op] += 1
+        summary = ", ".join(f"{op} x{c}" for op, c in sorted(fallbacks.items())) or "none"
+        return "\n".join(lines) + f"\n# backend {backend}: {sum(fallbacks.values())} fallback node(s): {summary}"
 
     def check_inputs(self, inputs: Mapping[str, torch.Tensor]) -> None:
         bindings: dict[str, int] = {}

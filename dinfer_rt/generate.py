@@ -33,6 +33,7 @@ class BatchResult:
     committed: torch.Tensor  # [B] tokens the model committed per row
     nfe: int  # forwards run for this batch
     wall_s: float
+    step_s: list[float]  # wall time of each forward
 
 
 def _pad_left(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,11 +69,9 @@ def generate_batch(model: Model, prompts: list[list[int]], params: SamplingParam
     scheduled = params.strategy in strategies.SCHEDULED
     per_block = params.steps_per_block()
     gen = torch.Generator().manual_seed(params.seed)
-    cache = model.new_cache(b, n) if params.cache != "none" else None
-    block_size = lb if model.spec.block_causal else None
+    forward = _Forwarder(model, attn, params, p_len, b, n)
     done = torch.zeros(b, dtype=torch.bool)
     committed = torch.zeros(b, dtype=torch.long)
-    nfe = 0
     start = time.perf_counter()
     # Block-causal models (LLaDA2) align blocks to absolute position 0, so the first block may
     # hold the prompt's tail; bidirectional models start the first block right after the prompt.
@@ -88,8 +87,7 @@ def generate_batch(model: Model, prompts: list[list[int]], params: SamplingParam
                 break
             if step >= 4 * lb + per_block:  # safety cap: every rule commits >= 1 per step
                 raise GenerationError(f"block [{s}, {e}) did not finish in {step} steps")
-            logits = _block_logits(model, x, attn, cache, params, s, e, step, nfe, block_size)
-            nfe += 1
+            logits = forward(x, s, e, step)
             logits[..., mask_id] = float("-inf")  # never commit the mask token
             masked = x[:, s:e] == mask_id
             quota = plan[:, min(step, per_block - 1)] if scheduled else torch.ones(b, dtype=torch.long)
@@ -106,23 +104,59 @@ def generate_batch(model: Model, prompts: list[list[int]], params: SamplingParam
             done |= newly
             if done.all():
                 break
-    return BatchResult(x[:, p_len:], committed, nfe, time.perf_counter() - start)
+    return BatchResult(x[:, p_len:], committed, forward.nfe, time.perf_counter() - start, forward.step_s)
 
 
-def _block_logits(
-    model: Model, x, attn, cache, params: SamplingParams, s: int, e: int, step: int, nfe: int, block_size: int | None
-) -> torch.Tensor:
-    """Logits [B, e - s, V] for the current block under the cache policy."""
-    n = x.shape[1]
-    policy = params.cache
-    if policy == "none" or (policy == "vicinity" and nfe < params.vicinity_warmup):
-        return model.forward(x, attn, block_size=block_size)[:, s:e]
-    if step == 0:  # refresh: a full forward fills every position's K/V and decodes the block
-        return model.forward(x, attn, cache=cache, compute=torch.arange(n), block_size=block_size)[:, s:e]
-    if policy == "prefix":
-        return model.forward(x, attn, cache=cache, compute=torch.arange(s, n), block_size=block_size)[:, : e - s]
-    if policy == "dual":
-        return model.forward(x, attn, cache=cache, compute=torch.arange(s, e), block_size=block_size)
-    lo, hi = max(0, s - params.vicinity_before), min(n, e + params.vicinity_after)
-    out = model.forward(x, attn, cache=cache, compute=torch.arange(lo, hi), block_size=block_size)
-    return out[:, s - lo : e - lo]
+class _Forwarder:
+    """Runs the forward each step needs under the cache policy; returns the block's logits [B, e - s, V]."""
+
+    def __init__(self, model: Model, attn, params: SamplingParams, p_len: int, batch: int, n: int) -> None:
+        self.model, self.attn, self.params, self.p_len = model, attn, params, p_len
+        self.block_size = params.block_length if model.spec.block_causal else None
+        self.cache = model.new_cache(batch, n) if params.cache != "none" else None
+        self.prev_start: int | None = None
+        self.nfe = 0
+        self.step_s: list[float] = []
+
+    def __call__(self, x: torch.Tensor, s: int, e: int, step: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = self._logits(x, s, e, step)
+        self.step_s.append(time.perf_counter() - t0)
+        return out
+
+    def _logits(self, x: torch.Tensor, s: int, e: int, step: int) -> torch.Tensor:
+        self.nfe += 1
+        m, p, n = self.model, self.params, x.shape[1]
+
+        def fwd(lo: int, hi: int) -> torch.Tensor:
+            return m.forward(x, self.attn, cache=self.cache, compute=torch.arange(lo, hi), block_size=self.block_size)
+
+        if p.cfg_scale > 0:
+            return self._guided(x)[:, s:e]
+        if self.cache is None or (p.cache == "vicinity" and self.nfe <= p.vicinity_warmup):
+            return m.forward(x, self.attn, block_size=self.block_size)[:, s:e]
+        if m.spec.block_causal:
+            # Earlier blocks never see later ones: K/V of finished blocks are final, except the previous
+            # block's, whose last forward still held masks. Refresh it together with the block's first step.
+            if step == 0:
+                lo = 0 if self.prev_start is None else self.prev_start
+                self.prev_start = s
+                return fwd(lo, e)[:, s - lo :]
+            return fwd(s, e)
+        if step == 0:  # refresh: every position's K/V, and the block's first decode step
+            return fwd(0, n)[:, s:e]
+        if p.cache == "prefix":
+            return fwd(s, n)[:, : e - s]
+        if p.cache == "dual":
+            return fwd(s, e)
+        lo, hi = max(0, s - p.vicinity_before), min(n, e + p.vicinity_after)
+        return fwd(lo, hi)[:, s - lo : e - lo]
+
+    def _guided(self, x: torch.Tensor) -> torch.Tensor:
+        """Classifier-free guidance: the unconditional row has its prompt masked (LLaDA ``generate``)."""
+        u = x.clone()
+        u[:, : self.p_len] = self.model.mask_id
+        attn = None if self.attn is None else torch.cat((self.attn, self.attn))
+        both = self.model.forward(torch.cat((x, u)), attn, block_size=self.block_size)
+        cond, uncond = both.chunk(2)
+        return uncond + (self.params.cfg_scale + 1) * (cond - uncond)

@@ -36,6 +36,15 @@ class BackendHookSpec:
     def dinfer_rt_register_backends(self) -> list[type[Backend]]:
         """Return the Backend subclasses this plugin provides."""
 
+    @hookspec
+    def dinfer_rt_register_kernels(self, backend_name: str) -> dict | None:
+        """Return ``{ir_op_name: kernel}`` to add to (or override on) backend ``backend_name``.
+        Kernels take the op's reference signature. Called once per compile, never per op."""
+
+    @hookspec
+    def dinfer_rt_env_info(self) -> dict | None:
+        """Return ``{name: version-or-fact}`` for ``dinfer-rt env`` and validation reports."""
+
 
 @dataclass(frozen=True)
 class PluginFailure:
@@ -56,9 +65,6 @@ def registry() -> Registry:
     """Load plugins once per process (honouring the allowlist and autoload switches)."""
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(BackendHookSpec)
-    if envs.flag(envs.DINFER_TRACE_PLUGINS):
-        pm.trace.root.setwriter(lambda msg: print(msg, end="", file=sys.stderr))
-        pm.enable_tracing()
     allow = envs.plugin_allowlist()
     builtins_only = envs.flag(envs.DINFER_DISABLE_PLUGIN_AUTOLOAD)
     failures: list[PluginFailure] = []
@@ -76,7 +82,7 @@ def registry() -> Registry:
     plugin_of: dict[str, str] = {}
     for impl in pm.hook.dinfer_rt_register_backends.get_hookimpls():
         try:
-            classes = impl.function()
+            classes = _call(impl)
             for cls in classes or []:
                 if not (isinstance(cls, type) and issubclass(cls, Backend)):
                     raise TypeError(f"{cls!r} is not a dinfer_rt.backend.Backend subclass")
@@ -85,6 +91,40 @@ def registry() -> Registry:
         except Exception as e:
             failures.append(PluginFailure(impl.plugin_name, f"failed to register: {type(e).__name__}: {e}"))
     return Registry(backends, plugin_of, failures, pm)
+
+
+def _call(impl, **kwargs):
+    """Call one plugin's hook implementation, tracing it to stderr under DINFER_TRACE_PLUGINS=1.
+
+    Implementations are called one by one (not through ``pm.hook``) so that every result is
+    attributed to its plugin and one failing plugin cannot hide the others' results."""
+    trace = envs.flag(envs.DINFER_TRACE_PLUGINS)
+    if trace:
+        print(f"[dinfer_rt plugins] {impl.plugin_name}.{impl.function.__name__}({kwargs})", file=sys.stderr)
+    result = impl.function(**kwargs)
+    if trace:
+        print(f"[dinfer_rt plugins]   -> {result!r}", file=sys.stderr)
+    return result
+
+
+def plugin_kernels(backend_name: str) -> list[tuple[str, dict]]:
+    """(plugin name, kernels) registered by plugins for ``backend_name``, in registration order."""
+    out = []
+    for impl in registry().manager.hook.dinfer_rt_register_kernels.get_hookimpls():
+        kernels = _call(impl, backend_name=backend_name)
+        if kernels:
+            out.append((impl.plugin_name, dict(kernels)))
+    return out
+
+
+def env_info() -> dict[str, str]:
+    info: dict[str, str] = {}
+    for impl in registry().manager.hook.dinfer_rt_env_info.get_hookimpls():
+        try:
+            info.update({str(k): str(v) for k, v in (_call(impl) or {}).items()})
+        except Exception as e:
+            info[f"{impl.plugin_name} (error)"] = f"{type(e).__name__}: {e}"
+    return info
 
 
 def availability(cls: type[Backend]) -> Availability:

@@ -41,6 +41,7 @@ class SamplingParams:
     credit_boost: float = 0.2
     credit_alpha: float = 0.7
     temperature: float = 0.0
+    cfg_scale: float = 0.0  # classifier-free guidance; 0 disables it
     cache: str = "none"
     vicinity_before: int = 16
     vicinity_after: int = 16
@@ -74,6 +75,10 @@ class SamplingParams:
             raise bad(f"factor {self.factor} must be > 0")
         if self.temperature < 0:
             raise bad(f"temperature {self.temperature} must be >= 0")
+        if self.cfg_scale < 0:
+            raise bad(f"cfg_scale {self.cfg_scale} must be >= 0")
+        if self.cfg_scale > 0 and self.cache != "none":
+            raise bad(f"cfg_scale > 0 runs two rows per prompt and supports cache='none' only, not {self.cache!r}")
         if self.batch_size <= 0 or self.sync_every <= 0:
             raise bad("batch_size and sync_every must be positive")
         if min(self.vicinity_before, self.vicinity_after, self.vicinity_warmup) < 0:

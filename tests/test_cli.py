@@ -60,3 +60,13 @@ def test_generate_json_on_a_tiny_model(ckpt_dir, capsys):
     )
     row = json.loads(capsys.readouterr().out.strip().splitlines()[0])
     assert row["nfe"] == 4 and row["tokens"] == 4 and row["tokens_per_forward"] == 1.0
+
+
+def test_bench_reports_latency_percentiles(ckpt_dir, capsys, monkeypatch):
+    monkeypatch.setenv("DINFER_MODEL", str(ckpt_dir("llada")))
+    # the tiny test tokenizer has no '=': run the held-out letters prompts raw
+    assert main(["bench", "--raw", "--gen-length", "4", "--block-length", "4", "--iters", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["forwards"] == 8 and r["warmup"] == 1 and r["iters"] == 2
+    assert 0 < r["step_ms_p50"] <= r["step_ms_p90"] <= r["step_ms_p99"]
+    assert r["peak_rss_mb"] > 0 and r["tokens_per_batch_forward"] == 8.0

@@ -82,10 +82,73 @@ def test_allowlist_and_autoload_switch(monkeypatch, fake_plugins):
     monkeypatch.setenv("DINFER_DISABLE_PLUGIN_AUTOLOAD", "1")
     plugins.registry.cache_clear()
     reg = plugins.registry()
-    assert set(reg.backends) == {"cpu"} and not reg.failures
+    assert set(reg.backends) == {"cpu", "cuda", "rocm_dcu", "ascend"} and not reg.failures
 
 
 def test_flavour_and_arch_are_parsed(monkeypatch):
     monkeypatch.setenv("DINFER_BACKEND", "cpu:reference:x86")
     b = plugins.select_backend()
     assert (b.name, b.flavour, b.arch) == ("cpu", "reference", "x86")
+
+
+def test_every_in_tree_backend_is_listed_with_its_reason():
+    reg = plugins.registry()
+    assert {"cpu", "cuda", "rocm_dcu", "ascend"} <= set(reg.backends)
+    reasons = {n: plugins.availability(c) for n, c in reg.backends.items()}
+    assert reasons["cpu"].ok
+    import torch
+
+    if torch.version.cuda is None:
+        assert not reasons["cuda"].ok and "CPU-only build" in reasons["cuda"].reason
+    if torch.version.hip is None:
+        assert not reasons["rocm_dcu"].ok and "not a HIP/ROCm build" in reasons["rocm_dcu"].reason
+
+
+def test_ascend_probe_names_missing_cann_without_importing_torch_npu(monkeypatch):
+    import importlib.util
+    import sys
+
+    from dinfer_rt.backends.ascend import plugin as ascend
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "torch_npu" else real(n, *a))
+    monkeypatch.setattr(ascend, "find_cann_library", lambda name="hccl": None)
+    a = ascend.AscendBackend().is_available()
+    assert not a.ok and "cannot import without CANN: libhccl.so not found" in a.reason
+    assert "torch_npu" not in sys.modules
+
+
+def test_fallback_and_plugin_kernels_are_used_counted_and_shown(fake_plugins, ckpt_dir, capsys):
+    import torch
+
+    import dinfer_rt
+    from dinfer_rt.cli import main
+    from tests.fake_plugins import good
+
+    path = ckpt_dir("llada")
+    ids = torch.randint(0, 61, (1, 6), generator=torch.Generator().manual_seed(0))
+    want = dinfer_rt.load_model(path, backend="cpu").forward(ids)
+    model = dinfer_rt.load_model(path, backend="partialchip")
+    before = dict(good.CALLS)
+    torch.testing.assert_close(model.forward(ids), want)
+    assert good.CALLS["silu"] > before["silu"] and good.CALLS["rms_norm"] > before["rms_norm"]
+    exe = model.executable(cached=False)
+    assert "silu" not in exe.fallbacks and "rms_norm" not in exe.fallbacks and exe.fallbacks["linear"] > 0
+    assert main(["ir", "--model", str(path), "--backend", "partialchip"]) == 0
+    out = capsys.readouterr().out
+    assert "= silu(%" in out and "# native" in out and "# plugin:fakes" in out and "# fallback:reference" in out
+    assert "# backend partialchip:" in out and "fallback node(s): add x4" in out
+
+
+def test_env_info_hook_reaches_dinfer_rt_env(fake_plugins, capsys):
+    from dinfer_rt.cli import main
+
+    assert main(["env"]) == 0
+    assert "fakechip driver: 1.2.3" in capsys.readouterr().out
+
+
+def test_trace_plugins_prints_hook_calls(fake_plugins, monkeypatch, capsys):
+    monkeypatch.setenv("DINFER_TRACE_PLUGINS", "1")
+    plugins.registry.cache_clear()
+    plugins.registry()
+    assert "[dinfer_rt plugins] fakes.dinfer_rt_register_backends({})" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from dinfer_rt.generate import generate_batch
 from dinfer_rt.sampling import STRATEGIES, SamplingParams
 
 
-def reference_llada_generate(model, prompts, gen_length, block_length, steps):
+def reference_llada_generate(model, prompts, gen_length, block_length, steps, cfg_scale=0.0):
     """ML-GSAI/LLaDA ``generate`` (decoding.md §1) written plainly: T=0, low-confidence remasking,
     left padding with an attention mask, a Python loop over rows for the top-k. One deliberate
     deviation shared with dinfer-rt: the mask token's logit is banned before argmax/softmax."""
@@ -35,7 +35,15 @@ def reference_llada_generate(model, prompts, gen_length, block_length, steps):
         plan = [[int(k[r]) // sb + (1 if j < int(k[r]) % sb else 0) for j in range(sb)] for r in range(b)]
         for j in range(sb):
             masked = x == mask_id
-            logits = model.forward(x, attn if (attn == 0).any() else None).double()
+            am = attn if (attn == 0).any() else None
+            if cfg_scale == 0:
+                logits = model.forward(x, am).double()
+            else:
+                un = x.clone()
+                un[:, :p] = mask_id  # prompt (and its padding) masked in the unconditional row
+                both = model.forward(torch.cat((x, un)), None if am is None else torch.cat((am, am))).double()
+                c, u = both.chunk(2)
+                logits = u + (cfg_scale + 1) * (c - u)
             logits[..., mask_id] = float("-inf")
             x0 = logits.argmax(-1)
             conf = logits.softmax(-1).gather(-1, x0[..., None]).squeeze(-1)
@@ -58,6 +66,15 @@ def test_one_token_per_step_equals_reference_llada_generate(ckpt_dir, batch):
     want = reference_llada_generate(model, batch, 12, 4, 12)
     assert torch.equal(got.tokens, want)
     assert got.nfe == 12
+
+
+def test_classifier_free_guidance_equals_reference(ckpt_dir):
+    model = dinfer_rt.load_model(ckpt_dir("llada"))
+    prompts = [[7, 8, 9, 10], [11, 12]]
+    params = SamplingParams(gen_length=8, block_length=4, cfg_scale=1.5, early_stop=False)
+    got = generate_batch(model, prompts, params)
+    assert torch.equal(got.tokens, reference_llada_generate(model, prompts, 8, 4, 8, cfg_scale=1.5))
+    assert not torch.equal(got.tokens, reference_llada_generate(model, prompts, 8, 4, 8))
 
 
 def test_batched_greedy_equals_each_prompt_alone(ckpt_dir):
@@ -124,6 +141,7 @@ def test_sync_every_counts_wasted_forwards(ckpt_dir):
         ({"threshold": 0.0}, "threshold 0.0 must be in (0, 1]"),
         ({"strategy": "greedy"}, "unknown strategy 'greedy'"),
         ({"cache": "paged"}, "unknown cache 'paged'"),
+        ({"cfg_scale": 1.0, "cache": "dual"}, "supports cache='none' only"),
         ({"steps": 3, "gen_length": 8, "block_length": 4}, "steps 3 must be a positive multiple of the 2 blocks"),
     ],
 )

@@ -1,9 +1,13 @@
-"""A fake plugin: one available backend that outranks cpu, and one that is never available."""
+"""A fake plugin implementing every hook: backends (one outranking cpu, one never available,
+one with a partial kernel table), extra kernels for its own backend, and environment info."""
 
+import torch.nn.functional as F
 from dinfer_rt.backends.cpu.backend import CpuBackend
 
-from dinfer_rt.backend import Availability
+from dinfer_rt.backend import Availability, Backend
 from dinfer_rt.plugins import hookimpl
+
+CALLS = {"silu": 0, "rms_norm": 0}
 
 
 class FastFake(CpuBackend):
@@ -20,6 +24,39 @@ class MissingChip(CpuBackend):
         return Availability(False, "libmissing.so not found")
 
 
+def counting_silu(x):
+    CALLS["silu"] += 1
+    return F.silu(x)
+
+
+class PartialChip(Backend):
+    """Only a silu kernel of its own: every other op must go through the declared fallback."""
+
+    name = "partialchip"
+    priority = -1
+
+    def kernels(self):
+        return {"silu": counting_silu}
+
+
 @hookimpl
 def dinfer_rt_register_backends():
-    return [FastFake, MissingChip]
+    return [FastFake, MissingChip, PartialChip]
+
+
+@hookimpl
+def dinfer_rt_register_kernels(backend_name):
+    if backend_name != "partialchip":
+        return None
+    from dinfer_rt.ir.ops import rms_norm
+
+    def counting_rms_norm(x, weight, *, eps):
+        CALLS["rms_norm"] += 1
+        return rms_norm(x, weight, eps=eps)
+
+    return {"rms_norm": counting_rms_norm}
+
+
+@hookimpl
+def dinfer_rt_env_info():
+    return {"fakechip driver": "1.2.3"}

@@ -1,0 +1,137 @@
+"""Speed/accuracy sweep of the shared scheduler on the embedded model's held-out set.
+
+Runs rule x cache x block length through dinfer-rt, plus the Fast-dLLM-style baseline
+(benchmarks/fastdllm_baseline.py: plain torch, dual cache, threshold 0.9) on the same items
+in the same run, and writes ``results.json``, ``results.md`` (a table) and ``sweep.png``
+(accuracy against tokens per forward and against tokens/s) to ``--out``.
+
+    python benchmarks/sweep.py --limit 200 --out bench-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fastdllm_baseline import PlainLLaDA, generate  # noqa: E402
+
+from dinfer_rt.demo import task  # noqa: E402
+from dinfer_rt.demo.bench import evaluate  # noqa: E402
+from dinfer_rt.llm import LLM  # noqa: E402
+from dinfer_rt.loader import EMBEDDED_MODEL  # noqa: E402
+from dinfer_rt.sampling import SamplingParams  # noqa: E402
+
+CONFIGS = [
+    dict(strategy="low_confidence", cache="none", block_length=40),
+    dict(strategy="low_confidence", cache="none", block_length=8),
+    dict(strategy="random", cache="none", block_length=40),
+    dict(strategy="threshold", cache="none", block_length=40, threshold=0.9),
+    dict(strategy="threshold", cache="none", block_length=40, threshold=0.7),
+    dict(strategy="threshold", cache="none", block_length=40, threshold=0.5),
+    dict(strategy="threshold", cache="none", block_length=8, threshold=0.9),
+    dict(strategy="threshold", cache="prefix", block_length=8, threshold=0.9),
+    dict(strategy="threshold", cache="dual", block_length=8, threshold=0.9),
+    dict(strategy="threshold", cache="vicinity", block_length=8, threshold=0.9),
+    dict(strategy="factor", cache="none", block_length=40, factor=1.0),
+    dict(strategy="factor", cache="none", block_length=40, factor=2.0),
+    dict(strategy="hierarchical", cache="none", block_length=40, threshold=0.9, low_threshold=0.6),
+    dict(strategy="hierarchical", cache="none", block_length=40, threshold=0.7, low_threshold=0.4),
+    dict(strategy="credit", cache="none", block_length=40, threshold=0.9),
+    dict(strategy="maskgit_plus", cache="none", block_length=40, steps=20),
+    dict(strategy="topk_margin", cache="none", block_length=40, steps=20),
+    dict(strategy="entropy", cache="none", block_length=40, steps=20),
+]
+
+
+def label(cfg: dict) -> str:
+    extra = ",".join(f"{k}={v}" for k, v in cfg.items() if k not in ("strategy", "cache", "block_length"))
+    return f"{cfg['strategy']}/{cfg['cache']}/b{cfg['block_length']}" + (f" ({extra})" if extra else "")
+
+
+def run_baseline(model_dir: Path, items: list, batch: int, block_length: int) -> dict:
+    from dinfer_rt.demo.train import BOS_ID, VOCAB
+
+    inv = {i: c for c, i in VOCAB.items()}
+    plain = PlainLLaDA(model_dir)
+    start = time.perf_counter()
+    correct = tokens = forwards = 0
+    for i in range(0, len(items), batch):
+        chunk = items[i : i + batch]
+        prompt = torch.tensor([[BOS_ID] + [VOCAB[c] for c in it.prompt] for it in chunk])
+        out, nfe = generate(plain, prompt, 40, block_length, 0.9)
+        forwards += nfe * len(chunk)
+        tokens += out.numel()
+        for it, row in zip(chunk, out.tolist()):
+            text = "".join(inv[t] for t in row).split("<|endoftext|>")[0]
+            correct += task.check(it.letters, text)
+    wall = time.perf_counter() - start
+    return {
+        "config": f"Fast-dLLM-style baseline (plain torch, dual cache, threshold 0.9, b{block_length})",
+        "accuracy": correct / len(items),
+        "tpf": tokens / forwards,
+        "tokens_per_s": tokens / wall,
+        "wall_s": wall,
+        "n": len(items),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=EMBEDDED_MODEL)
+    ap.add_argument("--limit", type=int, default=200)
+    ap.add_argument("--batch-size", type=int, default=50)
+    ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    llm = LLM(args.model)
+    rows = []
+    for cfg in tqdm(CONFIGS, desc="sweep"):
+        params = SamplingParams(batch_size=args.batch_size, early_stop=False, **cfg)
+        r = evaluate(llm, params, limit=args.limit)
+        rows.append({"config": label(cfg), **r.as_dict()})
+        tqdm.write(f"{rows[-1]['config']:60s} acc {r.accuracy:.3f}  tpf {r.tpf:.2f}  {r.tokens_per_s:.0f} tok/s")
+    items = task.heldout(args.limit)
+    for b in (8, 40):
+        rows.append(run_baseline(args.model, items, args.batch_size, b))
+    (args.out / "results.json").write_text(
+        json.dumps({"torch_threads": torch.get_num_threads(), "rows": rows}, indent=1)
+    )
+    lines = ["| configuration | accuracy | tokens/forward | tokens/s | wall s |", "|---|---|---|---|---|"]
+    lines += [
+        f"| {r['config']} | {r['accuracy']:.3f} | {r['tpf']:.2f} | {r['tokens_per_s']:.0f} | {r['wall_s']:.1f} |"
+        for r in rows
+    ]
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install 'dinfer-rt[bench]')")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, key, name in ((axes[0], "tpf", "tokens per forward"), (axes[1], "tokens_per_s", "tokens / s (CPU)")):
+        for r in rows:
+            base = r["config"].startswith("Fast-dLLM")
+            ax.scatter(r[key], r["accuracy"], marker="x" if base else "o", color="red" if base else None)
+            ax.annotate(r["config"].split(" (")[0], (r[key], r["accuracy"]), fontsize=6)
+        ax.set_xlabel(name)
+        ax.set_ylabel("exact-match accuracy")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"embedded model, {args.limit} held-out items")
+    fig.tight_layout()
+    fig.savefig(args.out / "sweep.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
