@@ -200,9 +200,10 @@ def cmd_backends(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"{'name':10} {'flavour':10} {'available':9}  {'device':6}  reason")
+    print(f"{'name':12} {'flavour':20} {'available':9}  {'device':6}  reason")
     for r in rows:
-        print(f"{r['name']:10} {r['flavour']:10} {'yes' if r['available'] else 'no':9}  {r['device']:6}  {r['reason']}")
+        avail = "yes" if r["available"] else "no"
+        print(f"{r['name']:12} {r['flavour']:20} {avail:9}  {r['device']:6}  {r['reason']}")
     return 0
 
 

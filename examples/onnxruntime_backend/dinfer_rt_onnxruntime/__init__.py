@@ -1,0 +1,1 @@
+"""ONNX Runtime backend for dinfer-rt, installed as a separate distribution."""
