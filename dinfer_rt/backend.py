@@ -73,6 +73,21 @@ class Backend:
             table.update({op: (k, f"plugin:{plugin}") for op, k in kernels.items()})
         return table
 
+    def passes(self) -> list:
+        """This backend's pass pipeline: the shared default plus passes plugins register for it.
+        Fusion passes whose fused op has no native kernel here are dropped by the manager."""
+        from dinfer_rt.passes import default_pipeline
+        from dinfer_rt.plugins import plugin_passes
+
+        return default_pipeline() + plugin_passes(self.name)
+
+    def optimize(self, graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Graph, dict[str, int]]:
+        """Run the pipeline on ``graph``; merged weights are added to ``weights`` once."""
+        from dinfer_rt.passes import PassManager
+
+        native = {op for op, (_, src) in self.kernel_table().items() if not src.startswith("fallback")}
+        return PassManager(self.passes(), native).run(graph, weights)
+
     def device(self) -> torch.device:
         return torch.device(self.device_type)
 

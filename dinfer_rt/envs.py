@@ -12,10 +12,22 @@ DINFER_DISABLE_PLUGIN_AUTOLOAD = "DINFER_DISABLE_PLUGIN_AUTOLOAD"
 """``1`` loads only the plugins shipped with dinfer-rt itself."""
 DINFER_TRACE_PLUGINS = "DINFER_TRACE_PLUGINS"
 """``1`` prints every hook call and result to stderr."""
+DINFER_DUMP_IR = "DINFER_DUMP_IR"
+"""A folder: the graph is written there after lowering and after every pass."""
+DINFER_DISABLE_PASSES = "DINFER_DISABLE_PASSES"
+"""Comma-separated pass names to skip (bisection of a miscompile)."""
 DINFER_MODEL = "DINFER_MODEL"
 """Default model folder for the CLI and ``LLM()``; unset means the embedded model."""
 
-ALL = (DINFER_BACKEND, DINFER_PLUGINS, DINFER_DISABLE_PLUGIN_AUTOLOAD, DINFER_TRACE_PLUGINS, DINFER_MODEL)
+ALL = (
+    DINFER_BACKEND,
+    DINFER_PLUGINS,
+    DINFER_DISABLE_PLUGIN_AUTOLOAD,
+    DINFER_TRACE_PLUGINS,
+    DINFER_DUMP_IR,
+    DINFER_DISABLE_PASSES,
+    DINFER_MODEL,
+)
 
 
 def get(name: str) -> str | None:

@@ -48,6 +48,8 @@ class Model:
         self.backend, self.dtype = backend, dtype
         self.block_size = spec.default_block_size
         self._compiled: dict[tuple[bool, int | None], Executable] = {}
+        self.pass_counts: dict[str, int] = {}  # rewrites per pass in the last compiled graph
+        self.pass_counts: dict[str, int] = {}  # rewrites per pass in the last compiled graph
 
     # ---------------------------------------------------------------- graphs
     def graph(self, cached: bool = False, block_size: int | None = None) -> Graph:
@@ -57,9 +59,9 @@ class Model:
         bs = (block_size or self.block_size) if self.spec.block_causal else None
         key = (cached, bs)
         if key not in self._compiled:
-            self._compiled[key] = self.backend.compile(
-                lower(self.spec, self.dtype, cached=cached, block_size=bs), self.weights
-            )
+            graph = lower(self.spec, self.dtype, cached=cached, block_size=bs)
+            graph, self.pass_counts = self.backend.optimize(graph, self.weights)
+            self._compiled[key] = self.backend.compile(graph, self.weights)
         return self._compiled[key]
 
     # ---------------------------------------------------------------- ids

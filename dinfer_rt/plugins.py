@@ -42,6 +42,11 @@ class BackendHookSpec:
         Kernels take the op's reference signature. Called once per compile, never per op."""
 
     @hookspec
+    def dinfer_rt_register_passes(self, backend_name: str) -> list | None:
+        """Return extra :class:`dinfer_rt.passes.Pass` objects for backend ``backend_name``'s
+        pipeline (run after the shared default passes)."""
+
+    @hookspec
     def dinfer_rt_env_info(self) -> dict | None:
         """Return ``{name: version-or-fact}`` for ``dinfer-rt env`` and validation reports."""
 
@@ -115,6 +120,13 @@ def plugin_kernels(backend_name: str) -> list[tuple[str, dict]]:
         if kernels:
             out.append((impl.plugin_name, dict(kernels)))
     return out
+
+
+def plugin_passes(backend_name: str) -> list:
+    passes: list = []
+    for impl in registry().manager.hook.dinfer_rt_register_passes.get_hookimpls():
+        passes += list(_call(impl, backend_name=backend_name) or [])
+    return passes
 
 
 def env_info() -> dict[str, str]:

@@ -423,3 +423,33 @@ def moe_experts(x, weights, indices, w_gate_up, w_down):
         y = h @ w_down[e].T
         out.index_add_(0, tok, y.to(out.dtype) * wts[tok, slot, None])
     return out.to(x.dtype).reshape(x.shape)
+
+
+# ---------------------------------------------------------------- fused ops (reference = decomposition)
+
+
+def _infer_add_rms_norm(ts, attrs):
+    x, residual, w = ts
+    _same_shape("add_rms_norm", x, residual)
+    _infer_rms_norm([x, w], attrs)
+    return [x, x]
+
+
+@_register("add_rms_norm", 3)(_infer_add_rms_norm)
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float):
+    """Fused residual add + RMSNorm: returns (rms_norm(x + residual), x + residual)."""
+    s = x + residual
+    return rms_norm(s, weight, eps=eps), s
+
+
+def _infer_swiglu(ts, attrs):
+    h = ts[0]
+    _need(isinstance(h.shape[-1], int) and h.shape[-1] % 2 == 0, "swiglu", f"last dim of {h} must be even")
+    return [h.with_shape(*h.shape[:-1], h.shape[-1] // 2)]
+
+
+@_register("swiglu", 1)(_infer_swiglu)
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for h = [gate | up] along the last dim (merged gate/up projection)."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -132,6 +132,8 @@ def test_fallback_and_plugin_kernels_are_used_counted_and_shown(fake_plugins, ck
     before = dict(good.CALLS)
     torch.testing.assert_close(model.forward(ids), want)
     assert good.CALLS["silu"] > before["silu"] and good.CALLS["rms_norm"] > before["rms_norm"]
+    assert model.pass_counts["count_attention"] == 2  # the plugin's own pass ran in partialchip's pipeline
+    assert "add_rms_norm" not in model.pass_counts  # no native kernel for the fused op: rule dropped
     exe = model.executable(cached=False)
     assert "silu" not in exe.fallbacks and "rms_norm" not in exe.fallbacks and exe.fallbacks["linear"] > 0
     assert main(["ir", "--model", str(path), "--backend", "partialchip"]) == 0

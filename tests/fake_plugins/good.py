@@ -60,3 +60,13 @@ def dinfer_rt_register_kernels(backend_name):
 @hookimpl
 def dinfer_rt_env_info():
     return {"fakechip driver": "1.2.3"}
+
+
+@hookimpl
+def dinfer_rt_register_passes(backend_name):
+    """A backend-specific pass for partialchip: counts the attention nodes it sees."""
+    if backend_name != "partialchip":
+        return None
+    from dinfer_rt.passes import Pass
+
+    return [Pass("count_attention", "schedule", lambda graph, ctx: graph.op_counts().get("attention", 0))]

@@ -1,0 +1,86 @@
+"""The pass manager: named phases, per-backend pipelines, the verifier after every pass,
+per-pass match counts, ``DINFER_DUMP_IR`` dumps and ``DINFER_DISABLE_PASSES`` bisection."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dinfer_rt import envs
+from dinfer_rt.ir import Graph, IRError, Value
+from dinfer_rt.passes import cleanup, fusion
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    phase: str  # "cleanup" | "fusion" | "schedule"
+    run: Callable[[Graph, PassContext], int]  # returns how many rewrites it made
+    needs_ops: tuple[str, ...] = ()  # fused ops the backend must have kernels for
+
+
+@dataclass
+class PassContext:
+    """What passes may touch besides the graph: the model's weights, to which merged
+    parameters are added once (derived tensors are cached by name across graph variants)."""
+
+    weights: MutableMapping[str, torch.Tensor]
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def derive_concat(self, graph: Graph, values: list[Value]) -> Value:
+        name = "|".join(v.name for v in values)
+        existing = next((p for p in graph.params if p.name == name), None)
+        if existing is not None:
+            return existing
+        if name not in self.weights:
+            self.weights[name] = fusion.concat_weights([self.weights[v.name] for v in values])
+        return graph.param(name, fusion.concat_type(values))
+
+
+def default_pipeline() -> list[Pass]:
+    return [
+        Pass("cse", "cleanup", cleanup.common_subexpressions),
+        Pass("dce", "cleanup", cleanup.dead_code),
+        Pass("merge_gate_up", "fusion", fusion.merge_gate_up, needs_ops=("swiglu",)),
+        Pass("merge_projections", "fusion", fusion.merge_projections, needs_ops=("split",)),
+        Pass("add_rms_norm", "fusion", fusion.add_rms_norm, needs_ops=("add_rms_norm",)),
+        Pass("dce_after_fusion", "cleanup", cleanup.dead_code),
+    ]
+
+
+class PassManager:
+    def __init__(self, passes: list[Pass], native_ops: set[str] | None = None) -> None:
+        disabled = {p.strip() for p in (envs.get(envs.DINFER_DISABLE_PASSES) or "").split(",") if p.strip()}
+        known = {p.name for p in passes}
+        unknown = disabled - known
+        if unknown:
+            from dinfer_rt.errors import DinferError
+
+            raise DinferError(
+                f"{envs.DINFER_DISABLE_PASSES} names unknown pass(es) {sorted(unknown)}; "
+                f"passes: {', '.join(sorted(known))}"
+            )
+        self.passes = [
+            p
+            for p in passes
+            if p.name not in disabled and (native_ops is None or all(op in native_ops for op in p.needs_ops))
+        ]
+
+    def run(self, graph: Graph, weights: MutableMapping[str, torch.Tensor]) -> tuple[Graph, dict[str, int]]:
+        ctx = PassContext(weights)
+        dump = envs.get(envs.DINFER_DUMP_IR)
+        if dump:
+            Path(dump).mkdir(parents=True, exist_ok=True)
+            (Path(dump) / f"{graph.name}.00.lowered.ir").write_text(str(graph))
+        for i, p in enumerate(self.passes, start=1):
+            ctx.counts[p.name] = p.run(graph, ctx)
+            try:
+                graph.verify()
+            except IRError as e:
+                raise IRError(f"after pass {p.name!r}: {e}") from None
+            if dump:
+                (Path(dump) / f"{graph.name}.{i:02d}.{p.phase}.{p.name}.ir").write_text(str(graph))
+        return graph, ctx.counts
