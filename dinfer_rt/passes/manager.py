@@ -11,7 +11,7 @@ import torch
 
 from dinfer_rt import envs
 from dinfer_rt.ir import Graph, IRError, Value
-from dinfer_rt.passes import cleanup, fusion
+from dinfer_rt.passes import cleanup, fusion, schedule
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class PassContext:
 
     weights: MutableMapping[str, torch.Tensor]
     counts: dict[str, int] = field(default_factory=dict)
+    reports: dict[str, object] = field(default_factory=dict)  # e.g. peak bytes before/after reordering
 
     def derive_concat(self, graph: Graph, values: list[Value]) -> Value:
         name = "|".join(v.name for v in values)
@@ -48,6 +49,7 @@ def default_pipeline() -> list[Pass]:
         Pass("merge_projections", "fusion", fusion.merge_projections, needs_ops=("split",)),
         Pass("add_rms_norm", "fusion", fusion.add_rms_norm, needs_ops=("add_rms_norm",)),
         Pass("dce_after_fusion", "cleanup", cleanup.dead_code),
+        Pass("reorder_memory", "schedule", schedule.reorder),
     ]
 
 
