@@ -88,6 +88,17 @@ class Backend:
         native = {op for op, (_, src) in self.kernel_table().items() if not src.startswith("fallback")}
         return PassManager(self.passes(), native).run(graph, weights)
 
+    def default_launch_config(self, kernel: str) -> dict:
+        """This backend's own launch/tuning table entry for ``kernel`` on ``self.arch``."""
+        return {}
+
+    def launch_config(self, kernel: str) -> dict:
+        """Launch parameters for ``kernel``: the backend's table, overridden by plugin hooks
+        (a vendor tunes a shipped kernel for a new arch without forking the backend)."""
+        from dinfer_rt.plugins import plugin_launch_config
+
+        return {**self.default_launch_config(kernel), **plugin_launch_config(self.name, kernel, self.arch)}
+
     def device(self) -> torch.device:
         return torch.device(self.device_type)
 

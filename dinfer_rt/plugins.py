@@ -47,6 +47,11 @@ class BackendHookSpec:
         pipeline (run after the shared default passes)."""
 
     @hookspec
+    def dinfer_rt_launch_config(self, backend_name: str, kernel: str, arch: str | None) -> dict | None:
+        """Return launch/tuning parameters (block sizes, warps, stages, ...) for ``kernel`` on
+        ``backend_name``/``arch``; later plugins override earlier keys. Read once per kernel build."""
+
+    @hookspec
     def dinfer_rt_env_info(self) -> dict | None:
         """Return ``{name: version-or-fact}`` for ``dinfer-rt env`` and validation reports."""
 
@@ -127,6 +132,13 @@ def plugin_passes(backend_name: str) -> list:
     for impl in registry().manager.hook.dinfer_rt_register_passes.get_hookimpls():
         passes += list(_call(impl, backend_name=backend_name) or [])
     return passes
+
+
+def plugin_launch_config(backend_name: str, kernel: str, arch: str | None) -> dict:
+    config: dict = {}
+    for impl in registry().manager.hook.dinfer_rt_launch_config.get_hookimpls():
+        config.update(_call(impl, backend_name=backend_name, kernel=kernel, arch=arch) or {})
+    return config
 
 
 def env_info() -> dict[str, str]:

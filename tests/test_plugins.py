@@ -154,3 +154,17 @@ def test_trace_plugins_prints_hook_calls(fake_plugins, monkeypatch, capsys):
     plugins.registry.cache_clear()
     plugins.registry()
     assert "[dinfer_rt plugins] fakes.dinfer_rt_register_backends({})" in capsys.readouterr().err
+
+
+def test_launch_config_hook_overrides_the_backends_table(fake_plugins):
+    from tests.fake_plugins.good import PartialChip
+
+    class Tuned(PartialChip):
+        def default_launch_config(self, kernel):
+            return {"block_size": 128, "num_stages": 2} if kernel == "rms_norm" else {}
+
+    chip = Tuned()
+    assert chip.launch_config("rms_norm") == {"block_size": 128, "num_stages": 2}
+    chip.arch = "v2"
+    assert chip.launch_config("rms_norm") == {"block_size": 256, "num_stages": 2, "num_warps": 8}
+    assert chip.launch_config("silu") == {}

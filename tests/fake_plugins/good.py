@@ -70,3 +70,11 @@ def dinfer_rt_register_passes(backend_name):
     from dinfer_rt.passes import Pass
 
     return [Pass("count_attention", "schedule", lambda graph, ctx: graph.op_counts().get("attention", 0))]
+
+
+@hookimpl
+def dinfer_rt_launch_config(backend_name, kernel, arch):
+    """Tunes partialchip's rms_norm for arch 'v2' only."""
+    if backend_name == "partialchip" and kernel == "rms_norm" and arch == "v2":
+        return {"block_size": 256, "num_warps": 8}
+    return None
