@@ -101,44 +101,35 @@ def cmd_eval(a: argparse.Namespace) -> int:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     """Per-step latency percentiles, tokens/s and peak memory for one configuration."""
-    import resource
-    import statistics
-
     from dinfer_rt.demo import task
-    from dinfer_rt.generate import generate_batch
     from dinfer_rt.llm import LLM
+    from dinfer_rt.validation.perf import measure
 
     llm = LLM(a.model, backend=a.backend, dtype=a.dtype)
     params = _params(a)
     prompts = [llm.encode(it.letters, params.chat) for it in task.heldout(a.batch_size)]
-    for _ in range(a.warmup):
-        generate_batch(llm.model, prompts, params)
-    steps: list[float] = []
-    tokens, wall = 0, 0.0
-    for _ in range(a.iters):
-        r = generate_batch(llm.model, prompts, params)
-        steps += r.step_s
-        tokens += int(r.committed.sum())
-        wall += r.wall_s
-    q = statistics.quantiles(steps, n=100) if len(steps) > 1 else steps * 99
-    result = {
-        "backend": llm.model.backend.describe(),
-        "batch_size": a.batch_size,
-        "warmup": a.warmup,
-        "iters": a.iters,
-        "forwards": len(steps),
-        "step_ms_p50": 1e3 * q[49],
-        "step_ms_p90": 1e3 * q[89],
-        "step_ms_p99": 1e3 * q[98],
-        "tokens_per_s": tokens / wall,
-        "tokens_per_batch_forward": tokens / len(steps),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    }
+    result = measure(llm.model, prompts, params, a.warmup, a.iters)
     if a.json:
         print(json.dumps(result))
     else:
         print(" | ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
     return 0
+
+
+def cmd_validate(a: argparse.Namespace) -> int:
+    from dinfer_rt.validation.markdown import render
+    from dinfer_rt.validation.runner import validate
+
+    report = validate(a.backends, quick=a.quick, dtypes=a.dtypes)
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    text = render(report)
+    if a.markdown:
+        Path(a.markdown).write_text(text)
+    for r in report["results"]:
+        print(f"{r['backend']}: {r['verdict']}" + "".join(f"\n  - {f}" for f in r["failures"]))
+    print(f"verdict: {report['verdict']}")
+    return 0 if report["verdict"] == "pass" else 1
 
 
 def cmd_ir(a: argparse.Namespace) -> int:
@@ -254,6 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(k)
     _add_sampling_args(k)
     k.set_defaults(func=cmd_bench, batch_size=8)
+    val = sub.add_parser("validate", help="prove backends against the float64 reference; report and verdict")
+    val.add_argument("--backends", default="all", help="comma-separated names, or 'all' available backends")
+    val.add_argument("--quick", action="store_true", help="fewer shape buckets, models and items")
+    val.add_argument("--dtypes", default="float32,bfloat16", help="dtypes for op conformance")
+    val.add_argument("--json", default=None, help="write the JSON report here")
+    val.add_argument("--markdown", default=None, help="write the Markdown report here")
+    val.set_defaults(func=cmd_validate)
     i = sub.add_parser("ir", help="print the IR graph of a model (from its config.json)")
     i.add_argument("--model", type=Path, default=None)
     i.add_argument("--dtype", default=None)

@@ -34,6 +34,7 @@ class BatchResult:
     nfe: int  # forwards run for this batch
     wall_s: float
     step_s: list[float]  # wall time of each forward
+    commit_step: torch.Tensor  # [B, G] forward index at which each slot was committed (-1: never)
 
 
 def _pad_left(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +73,7 @@ def generate_batch(model: Model, prompts: list[list[int]], params: SamplingParam
     forward = _Forwarder(model, attn, params, p_len, b, n)
     done = torch.zeros(b, dtype=torch.bool)
     committed = torch.zeros(b, dtype=torch.long)
+    commit_step = torch.full((b, g), -1, dtype=torch.long)
     start = time.perf_counter()
     # Block-causal models (LLaDA2) align blocks to absolute position 0, so the first block may
     # hold the prompt's tail; bidirectional models start the first block right after the prompt.
@@ -95,6 +97,8 @@ def generate_batch(model: Model, prompts: list[list[int]], params: SamplingParam
             commit &= masked & ~done[:, None]
             x[:, s:e] = torch.where(commit, x0, x[:, s:e])
             committed += commit.sum(-1)
+            lo = max(s, p_len)  # a block-causal first block may start inside the prompt
+            commit_step[:, lo - p_len : e - p_len][commit[:, lo - s :]] = forward.nfe - 1
             step += 1
         if params.early_stop and eos:
             blk = x[:, s:e]
@@ -104,7 +108,7 @@ def generate_batch(model: Model, prompts: list[list[int]], params: SamplingParam
             done |= newly
             if done.all():
                 break
-    return BatchResult(x[:, p_len:], committed, forward.nfe, time.perf_counter() - start, forward.step_s)
+    return BatchResult(x[:, p_len:], committed, forward.nfe, time.perf_counter() - start, forward.step_s, commit_step)
 
 
 class _Forwarder:

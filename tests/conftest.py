@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tests import checkpoints
+from dinfer_rt.testing import checkpoints
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import dinfer_rt
 from dinfer_rt.errors import CheckpointError, ConfigError, TokenizerError
-from tests import checkpoints
+from dinfer_rt.testing import checkpoints
 
 
 @pytest.fixture

@@ -1,0 +1,1 @@
+"""Helpers shared by the test suite and the validation suite (tiny real-layout checkpoints)."""

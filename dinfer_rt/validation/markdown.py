@@ -1,0 +1,90 @@
+"""Render a validation report (the JSON object) as Markdown for a PR or a bug report."""
+
+from __future__ import annotations
+
+
+def _f(v: float) -> str:
+    return f"{v:.2e}" if isinstance(v, float) else str(v)
+
+
+def render(report: dict) -> str:
+    h = report["header"]
+    out = [
+        f"# dinfer-rt validation: **{report['verdict'].upper()}**",
+        "",
+        f"- dinfer-rt {h['dinfer_rt']} (commit {h['commit']}), torch {h['torch']}, Python {h['python']}",
+        f"- platform: {h['platform']}",
+        f"- command: `{h['command']}`",
+        f"- seed: {h['seed']}; quick: {report['quick']}; dtypes: {', '.join(report['dtypes'])}",
+        f"- DINFER_* env: {h['env'] or 'none'}",
+        f"- plugins: {h['plugins'] or 'none'}",
+        "",
+    ]
+    for b in h["backends"]:
+        out.append(
+            f"- backend `{b['name']}` flavour {b['flavour']} arch {b['arch']} device {b['device']}: {b['versions']}"
+        )
+    for r in report["results"]:
+        out += ["", f"## {r['backend']}: {r['verdict']}", ""]
+        if r["failures"]:
+            out += ["Failures:", *[f"- {f}" for f in r["failures"]], ""]
+        if r["unexpected_passes"]:
+            out += [
+                "Unexpected passes (remove from known_failures.json):",
+                *[f"- {u}" for u in r["unexpected_passes"]],
+                "",
+            ]
+        cov = r["coverage"]
+        out += [f"### Coverage: {cov['native_node_fraction']:.0%} of the embedded model's nodes on native kernels", ""]
+        out += [
+            "### Op conformance (vs float64 reference)",
+            "",
+            "| op | bucket | dtype | status | max rel err | tolerance | kernel | detail |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {c['op']} | {c['bucket']} | {c['dtype']} | {c['status']} | {_f(c['max_rel'])} | "
+            f"{c['tolerance']['rel']:.0e} | {c['kernel']} | {c['detail'] if c['status'] != 'pass' else ''} |"
+            for c in r["conformance"]
+        ]
+        out += ["", "### Fused vs unfused", "", "| model | rewrites | max rel err | passed |", "|---|---|---|---|"]
+        out += [f"| {p['model']} | {p['rewrites']} | {_f(p['max_rel'])} | {p['passed']} |" for p in r["passes"]["rows"]]
+        out += ["", "### Model level (vs float64 reference)", ""]
+        for name, checks in r["models"].items():
+            tf = checks["teacher_forced"]
+            out.append(
+                f"**{name}**: teacher-forced "
+                + ", ".join(
+                    f"mask {row['mask_fraction']}: rel {_f(row['max_rel'])}, cos {row['min_cosine']:.6f}, "
+                    f"argmax {row['argmax_agreement']:.3f}"
+                    for row in tf["rows"]
+                )
+                + f" ({'pass' if tf['passed'] else 'FAIL'})"
+            )
+            if "decisions" in checks:
+                d = checks["decisions"]
+                out.append(
+                    f"- decisions: {d['steps']} steps, min Jaccard {d['min_jaccard']:.3f}, "
+                    f"{len(d['violations'])} near-tie violations ({'pass' if d['passed'] else 'FAIL'})"
+                )
+            fr = checks["free_running"]
+            out.append(
+                f"- free-running greedy: exact match {fr['exact_match']:.3f}, first divergence "
+                f"{fr['first_divergence']} ({'pass' if fr['passed'] else 'FAIL'})"
+            )
+            if "accuracy" in checks:
+                a = checks["accuracy"]
+                out.append(
+                    f"- task accuracy {a['accuracy']:.3f} vs reference {a['reference_accuracy']:.3f} on "
+                    f"{a['n']} items ({'pass' if a['passed'] else 'FAIL'})"
+                )
+            out.append("")
+        p = r["performance"]
+        out += [
+            "### Performance (embedded model)",
+            "",
+            "| " + " | ".join(p) + " |",
+            "|" + "---|" * len(p),
+            "| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in p.values()) + " |",
+        ]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,144 @@
+"""Model-level checks of a backend against the float64 reference (``cpu``):
+
+- teacher-forced logits at several mask fractions (max abs/rel error, cosine, argmax agreement);
+- per-step commit decisions in lock-step, with a near-tie rule;
+- free-running greedy generation (exact match, first divergence as (step, position));
+- task accuracy on a held-out slice (embedded model), >= 99% of the reference's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dinfer_rt import strategies
+from dinfer_rt.generate import generate_batch
+from dinfer_rt.model import Model
+from dinfer_rt.sampling import SamplingParams
+
+MODEL_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+NEAR_TIE = {torch.float32: 1e-3, torch.float64: 1e-9, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+EXACT_MATCH = {torch.float32: 1.0, torch.float64: 1.0, torch.bfloat16: 0.8, torch.float16: 0.9}
+
+
+def _states(
+    model: Model, prompts: list[list[int]], answers: list[list[int]] | None, gen: int, frac: float, seed: int
+) -> torch.Tensor:
+    """Sequences [prompt | answer with a fraction ``frac`` of its slots masked] (random answers if none)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i, p in enumerate(prompts):
+        ans = answers[i] if answers else torch.randint(0, model.spec.vocab, (gen,), generator=g).tolist()
+        ans = torch.tensor(ans[:gen])
+        masked = torch.rand(gen, generator=g) < frac
+        rows.append(torch.cat((torch.tensor(p), torch.where(masked, model.mask_id, ans))))
+    return torch.stack(rows)
+
+
+def teacher_forced(test: Model, ref: Model, prompts, answers, gen: int, fractions=(1.0, 0.5, 0.1)) -> dict:
+    rows = []
+    ok = True
+    for frac in fractions:
+        x = _states(ref, prompts, answers, gen, frac, seed=int(frac * 1000))
+        a, b = test.forward(x).double().cpu(), ref.forward(x).double()
+        region = slice(x.shape[1] - gen, None)
+        a, b = a[:, region], b[:, region]
+        scale = b.abs().max().item()
+        rel = ((a - b).abs().max().item()) / scale
+        cos = torch.nn.functional.cosine_similarity(a.flatten(0, 1), b.flatten(0, 1), dim=-1).min().item()
+        top2 = b.topk(2, dim=-1).values
+        decided = (top2[..., 0] - top2[..., 1]) > NEAR_TIE[test.dtype] * scale
+        agree = (a.argmax(-1) == b.argmax(-1))[decided].double().mean().item() if decided.any() else 1.0
+        passed = rel <= MODEL_TOLERANCE[test.dtype] and agree >= 0.99
+        ok &= passed
+        rows.append(
+            {
+                "mask_fraction": frac,
+                "max_abs": (a - b).abs().max().item(),
+                "max_rel": rel,
+                "min_cosine": cos,
+                "argmax_agreement": agree,
+                "passed": passed,
+            }
+        )
+    return {"passed": ok, "rows": rows, "tolerance": MODEL_TOLERANCE[test.dtype]}
+
+
+def decisions(test: Model, ref: Model, prompts, gen: int, threshold: float = 0.9) -> dict:
+    """Lock-step threshold decoding from the reference's states: per step, the positions each side
+    commits. A disagreement is allowed only where the confidence is within the near-tie margin of
+    the threshold (or, for the forced best slot, of the runner-up)."""
+    eps = NEAR_TIE[test.dtype]
+    rule = strategies.make_threshold(threshold)
+    x = torch.cat((torch.tensor(prompts), torch.full((len(prompts), gen), ref.mask_id)), 1)
+    steps, jaccard, violations = 0, [], []
+    while (x == ref.mask_id).any() and steps < gen:
+        masked = x == ref.mask_id
+        outs = []
+        for m in (test, ref):
+            logits = m.forward(x).double().cpu()
+            logits[..., ref.mask_id] = float("-inf")
+            x0, commit = rule(strategies.StepInput(logits, masked, torch.ones(len(x), dtype=torch.long), 0.0, None))
+            conf = logits.softmax(-1).max(-1).values
+            outs.append((x0, commit, conf))
+        (tx, tc, tconf), (rx, rc, rconf) = outs
+        union, inter = (tc | rc).sum().item(), (tc & rc).sum().item()
+        jaccard.append(inter / union if union else 1.0)
+        for r, p in (tc ^ rc).nonzero().tolist():
+            near = abs(rconf[r, p].item() - threshold) < eps or abs(tconf[r, p].item() - threshold) < eps
+            best = rconf[r].masked_fill(~masked[r], -1).topk(min(2, int(masked[r].sum()))).values
+            near |= len(best) > 1 and (best[0] - best[1]).item() < eps
+            if not near:
+                violations.append(
+                    {
+                        "step": steps,
+                        "row": r,
+                        "position": p,
+                        "test_conf": tconf[r, p].item(),
+                        "ref_conf": rconf[r, p].item(),
+                    }
+                )
+        x = torch.where(rc, rx, x)  # advance with the reference's decision
+        steps += 1
+    return {
+        "passed": not violations,
+        "steps": steps,
+        "min_jaccard": min(jaccard, default=1.0),
+        "violations": violations[:10],
+        "near_tie_margin": eps,
+    }
+
+
+def free_running(test: Model, ref: Model, prompts, params: SamplingParams) -> dict:
+    a, b = generate_batch(test, prompts, params), generate_batch(ref, prompts, params)
+    same = (a.tokens == b.tokens).all(-1)
+    first = None
+    diff = (a.tokens != b.tokens).nonzero().tolist()
+    if diff:
+        r, p = min(diff, key=lambda rp: (int(b.commit_step[rp[0], rp[1]]), rp[1]))
+        first = {
+            "row": r,
+            "position": p,
+            "step": int(b.commit_step[r, p]),
+            "test_token": int(a.tokens[r, p]),
+            "ref_token": int(b.tokens[r, p]),
+        }
+    rate = same.double().mean().item()
+    return {
+        "passed": rate >= EXACT_MATCH[test.dtype],
+        "exact_match": rate,
+        "first_divergence": first,
+        "nfe": [a.nfe, b.nfe],
+    }
+
+
+def task_accuracy(test_llm, ref_llm, limit: int) -> dict:
+    from dinfer_rt.demo.bench import evaluate
+
+    params = SamplingParams(strategy="threshold", threshold=0.9, batch_size=min(50, limit))
+    a, b = evaluate(test_llm, params, limit), evaluate(ref_llm, params, limit)
+    return {
+        "passed": a.accuracy >= 0.99 * b.accuracy,
+        "accuracy": a.accuracy,
+        "reference_accuracy": b.accuracy,
+        "n": limit,
+    }

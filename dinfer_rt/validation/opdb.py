@@ -1,0 +1,150 @@
+"""The op conformance database: sample inputs for every IR op and fused op over dtypes and
+shape buckets, including edge shapes (size 1, non-powers of two, GQA ratios, masks, caches).
+
+Each case builds float64 inputs from a seed; the backend runs them in the case's dtype and
+the reference runs them in float64.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+F64 = torch.float64
+
+
+@dataclass(frozen=True)
+class OpCase:
+    op: str
+    bucket: str  # shape bucket label, e.g. "gqa4-pad"
+    build: Callable[[torch.Generator], list]  # float64 / integer / bool inputs (None for absent)
+    attrs: dict = field(default_factory=dict)
+    float_inputs: tuple[int, ...] = ()  # inputs converted to the tested dtype
+    keep_fp32_inputs: tuple[int, ...] = ()  # inputs a model keeps in fp32 whatever the dtype (router bias)
+
+    @property
+    def key(self) -> str:
+        return f"{self.op}/{self.bucket}"
+
+
+def _r(g, *shape, scale=1.0):
+    return torch.randn(*shape, generator=g, dtype=F64) * scale
+
+
+def _attention_case(bucket, b, t, s, h, kv, d, cached, block, pad):
+    def build(g):
+        q, k, v = _r(g, b, t, h, d), _r(g, b, t, kv, d), _r(g, b, t, kv, d)
+        valid = torch.ones(b, s, dtype=torch.bool)
+        if pad:
+            valid[0, :pad] = False
+        idx = torch.arange(s - t, s) if cached else torch.arange(t)
+        ins = [q, k, v, valid, idx]
+        if cached:
+            ins += [_r(g, b, s, kv, d), _r(g, b, s, kv, d)]
+        return ins
+
+    fl = (0, 1, 2, 5, 6) if cached else (0, 1, 2)
+    return OpCase("attention", bucket, build, {"scale": 1 / math.sqrt(d), "block_size": block}, fl)
+
+
+def cases(quick: bool = False) -> list[OpCase]:
+    """Every op and fused op; ``quick`` keeps one or two buckets each."""
+    c = [
+        OpCase("add", "odd", lambda g: [_r(g, 3, 7, 5), _r(g, 3, 7, 5)], float_inputs=(0, 1)),
+        OpCase("mul", "odd", lambda g: [_r(g, 3, 7, 5), _r(g, 3, 7, 5)], float_inputs=(0, 1)),
+        OpCase("silu", "odd", lambda g: [_r(g, 2, 9, 33, scale=3)], float_inputs=(0,)),
+        OpCase("cast", "to-f32", lambda g: [_r(g, 4, 6)], {"dtype": torch.float32}, float_inputs=(0,)),
+        OpCase(
+            "embedding",
+            "vocab-odd",
+            lambda g: [torch.randint(0, 37, (2, 5), generator=g), _r(g, 37, 24)],
+            float_inputs=(1,),
+        ),
+        OpCase(
+            "linear",
+            "bias-odd",
+            lambda g: [_r(g, 2, 5, 48), _r(g, 33, 48, scale=0.15), _r(g, 33)],
+            float_inputs=(0, 1, 2),
+        ),
+        OpCase("linear", "size1", lambda g: [_r(g, 1, 1, 16), _r(g, 8, 16, scale=0.25), None], float_inputs=(0, 1)),
+        OpCase(
+            "rms_norm",
+            "hidden-odd",
+            lambda g: [_r(g, 2, 5, 56, scale=2), 1 + 0.1 * _r(g, 56)],
+            {"eps": 1e-6},
+            float_inputs=(0, 1),
+        ),
+        OpCase(
+            "rms_norm",
+            "per-head",
+            lambda g: [_r(g, 2, 5, 3, 16), 1 + 0.1 * _r(g, 16)],
+            {"eps": 1e-5},
+            float_inputs=(0, 1),
+        ),
+        OpCase("view_heads", "7-heads", lambda g: [_r(g, 2, 3, 56)], {"heads": 7}, float_inputs=(0,)),
+        OpCase("merge_heads", "7-heads", lambda g: [_r(g, 2, 3, 7, 8)], float_inputs=(0,)),
+        OpCase("split", "qkv-gqa", lambda g: [_r(g, 2, 3, 96)], {"sizes": (64, 16, 16)}, float_inputs=(0,)),
+        OpCase(
+            "rope",
+            "full",
+            lambda g: [_r(g, 2, 9, 3, 16), torch.arange(9).expand(2, 9)],
+            {"theta": 500000.0, "rotary_dim": 16},
+            float_inputs=(0,),
+        ),
+        OpCase(
+            "rope",
+            "partial-long",
+            lambda g: [_r(g, 1, 300, 2, 16), torch.arange(300)[None] + 1000],
+            {"theta": 600000.0, "rotary_dim": 8},
+            float_inputs=(0,),
+        ),
+        _attention_case("mha", 2, 7, 7, 4, 4, 16, False, None, 0),
+        _attention_case("gqa4-pad", 2, 9, 9, 8, 2, 16, False, None, 3),
+        _attention_case("gqa8-blockcausal", 1, 12, 12, 8, 1, 8, False, 4, 0),
+        _attention_case("cache-splice-gqa", 2, 4, 11, 4, 2, 16, True, None, 2),
+        _attention_case("cache-blockcausal", 1, 4, 12, 4, 4, 8, True, 4, 0),
+        OpCase(
+            "router_softmax_topk",
+            "e6k2",
+            lambda g: [_r(g, 2, 5, 6, scale=2)],
+            {"k": 2, "renormalize": False},
+            float_inputs=(0,),
+        ),
+        OpCase(
+            "router_sigmoid_grouped",
+            "e8g4",
+            lambda g: [_r(g, 2, 5, 8, scale=2), 0.1 * _r(g, 8)],
+            {"k": 3, "n_group": 4, "topk_group": 2, "renormalize": True, "scale": 2.5},
+            float_inputs=(0,),
+            keep_fp32_inputs=(1,),
+        ),
+        OpCase("moe_experts", "e6k2", _moe_inputs, float_inputs=(0, 3, 4), keep_fp32_inputs=(1,)),
+        OpCase(
+            "add_rms_norm",
+            "hidden-odd",
+            lambda g: [_r(g, 2, 5, 40), _r(g, 2, 5, 40), 1 + 0.1 * _r(g, 40)],
+            {"eps": 1e-6},
+            float_inputs=(0, 1, 2),
+        ),
+        OpCase("swiglu", "odd", lambda g: [_r(g, 2, 5, 2 * 37, scale=2)], float_inputs=(0,)),
+    ]
+    if not quick:
+        return c
+    kept, seen = [], set()
+    for case in c:  # quick: the first bucket of each op, plus the padded-GQA and cache-splice attention
+        if case.op not in seen or case.bucket in ("gqa4-pad", "cache-splice-gqa"):
+            kept.append(case)
+            seen.add(case.op)
+    return kept
+
+
+def _moe_inputs(g):
+    x = _r(g, 2, 5, 24)
+    w, idx = (
+        torch.rand(2, 5, 2, generator=g, dtype=F64),
+        torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(10)]).view(2, 5, 2),
+    )
+    return [x, w, idx, _r(g, 6, 2 * 12, 24, scale=0.2), _r(g, 6, 24, 12, scale=0.3)]

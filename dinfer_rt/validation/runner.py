@@ -1,0 +1,185 @@
+"""``dinfer-rt validate``: coverage, op conformance, pass checks, model-level numerics and
+performance for each backend, with a verdict, a JSON report and a Markdown rendering."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import dinfer_rt
+from dinfer_rt import envs
+from dinfer_rt.backend import Backend
+from dinfer_rt.demo import task
+from dinfer_rt.dtypes import resolve_dtype
+from dinfer_rt.loader import EMBEDDED_MODEL, load_model
+from dinfer_rt.plugins import availability, env_info, registry, select_backend
+from dinfer_rt.sampling import SamplingParams
+from dinfer_rt.validation import model_checks
+from dinfer_rt.validation.conformance import DTYPE_NAMES, run_conformance
+from dinfer_rt.validation.perf import measure
+
+SCHEMA_VERSION = 1
+SEED = 0
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def header(backends: list[Backend]) -> dict:
+    return {
+        "dinfer_rt": dinfer_rt.__version__,
+        "commit": _git_commit(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "backends": [
+            {"name": b.name, "flavour": b.flavour, "arch": b.arch, "device": b.device_type, "versions": b.versions()}
+            for b in backends
+        ],
+        "plugins": env_info(),
+        "env": envs.snapshot(),
+        "seed": SEED,
+        "command": " ".join(["dinfer-rt", *sys.argv[1:]]) if sys.argv else "",
+    }
+
+
+def tiny_checkpoints(root: Path, quick: bool) -> dict[str, Path]:
+    from dinfer_rt.testing import checkpoints
+
+    names = ["llada2"] if quick else ["llada", "dream", "llada_moe", "llada2"]
+    return {n: getattr(checkpoints, n)(root / n) for n in names}
+
+
+def coverage(backend: Backend) -> dict:
+    table = backend.kernel_table()
+    model = load_model(EMBEDDED_MODEL, backend="cpu", tokenizer=False)
+    from dinfer_rt.lowering import lower
+
+    graph = lower(model.spec, torch.float32)
+    nodes = [table.get(n.op, (None, "missing"))[1] for n in graph.nodes]
+    native = sum(1 for s in nodes if not s.startswith(("fallback", "missing")))
+    return {"ops": {op: src for op, (_, src) in sorted(table.items())}, "native_node_fraction": native / len(nodes)}
+
+
+def pass_checks(backend: Backend, ckpts: dict[str, Path], dtype: torch.dtype) -> dict:
+    """Fused versus unfused logits on this backend, for the passes active on it."""
+    import os
+
+    rows, ok = [], True
+    for name, path in ckpts.items():
+        ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(SEED))
+        fused = load_model(path, backend=backend.name, dtype=dtype, tokenizer=False)
+        old = os.environ.get(envs.DINFER_DISABLE_PASSES)
+        os.environ[envs.DINFER_DISABLE_PASSES] = ",".join(p.name for p in backend.passes())
+        try:
+            plain = load_model(path, backend=backend.name, dtype=dtype, tokenizer=False)
+        finally:
+            if old is None:
+                os.environ.pop(envs.DINFER_DISABLE_PASSES)
+            else:
+                os.environ[envs.DINFER_DISABLE_PASSES] = old
+        a, b = fused.forward(ids, block_size=4).double().cpu(), plain.forward(ids, block_size=4).double().cpu()
+        rel = ((a - b).abs().max() / b.abs().max()).item()
+        passed = rel <= model_checks.MODEL_TOLERANCE[dtype]
+        ok &= passed
+        rows.append({"model": name, "rewrites": fused.pass_counts, "max_rel": rel, "passed": passed})
+    return {"passed": ok, "rows": rows}
+
+
+def validate_backend(backend: Backend, dtypes: list[torch.dtype], quick: bool, bar) -> dict:
+    out: dict = {"backend": backend.describe(), "coverage": coverage(backend)}
+    out["conformance"] = run_conformance(backend, dtypes, quick, progress=lambda: bar.update(0))
+    bar.update(1)
+    dtype = torch.float32 if torch.float32 in backend.capabilities().dtypes else backend.capabilities().dtypes[0]
+    models = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpts = tiny_checkpoints(Path(tmp), quick)
+        out["passes"] = pass_checks(backend, ckpts, dtype)
+        bar.update(1)
+        items = task.heldout(8 if quick else 32)
+        test = load_model(EMBEDDED_MODEL, backend=backend.name, dtype=dtype)
+        ref = load_model(EMBEDDED_MODEL, backend="cpu", dtype="float64")
+        llm_prompts = [
+            test.tokenizer.encode(test.tokenizer.apply_chat_template([{"role": "user", "content": it.letters}]))
+            for it in items
+        ]
+        answers = [test.tokenizer.encode(it.answer()) + [test.pad_id] * 7 for it in items]
+        params = SamplingParams(strategy="threshold", threshold=0.9, early_stop=False, batch_size=len(items))
+        models["embedded"] = {
+            "teacher_forced": model_checks.teacher_forced(test, ref, llm_prompts, answers, 40),
+            "decisions": model_checks.decisions(test, ref, llm_prompts, 40),
+            "free_running": model_checks.free_running(test, ref, llm_prompts, params),
+        }
+        bar.update(1)
+        from dinfer_rt.llm import LLM
+
+        models["embedded"]["accuracy"] = model_checks.task_accuracy(LLM(test), LLM(ref), 50 if quick else 200)
+        for name, path in ckpts.items():
+            t = load_model(path, backend=backend.name, dtype=dtype)
+            r = load_model(path, backend="cpu", dtype="float64")
+            prompts = [[7, 8, 9, 10], [11, 12, 13, 14]]
+            small = SamplingParams(gen_length=8, block_length=4, strategy="threshold", threshold=0.5, early_stop=False)
+            models[name] = {
+                "teacher_forced": model_checks.teacher_forced(t, r, prompts, None, 8),
+                "free_running": model_checks.free_running(t, r, prompts, small),
+            }
+        bar.update(1)
+        out["models"] = models
+        out["performance"] = measure(test, llm_prompts, params, warmup=1, iters=2 if quick else 5)
+        bar.update(1)
+    failed = [
+        f"op {r['op']}/{r['bucket']}/{r['dtype']}: {r['status']}"
+        for r in out["conformance"]
+        if r["status"] in ("fail", "error")
+    ]
+    if not out["passes"]["passed"]:
+        failed.append("fused vs unfused")
+    for name, checks in models.items():
+        failed += [f"{name}: {check}" for check, res in checks.items() if not res["passed"]]
+    out["unexpected_passes"] = [
+        f"{r['op']}/{r['bucket']}/{r['dtype']}" for r in out["conformance"] if r["status"] == "unexpected-pass"
+    ]
+    out["failures"] = failed
+    out["verdict"] = "pass" if not failed else "fail"
+    return out
+
+
+def resolve_backends(spec: str) -> list[Backend]:
+    if spec == "all":
+        return [cls() for _, cls in sorted(registry().backends.items()) if availability(cls)]
+    return [select_backend(name.strip()) for name in spec.split(",") if name.strip()]
+
+
+def validate(spec: str, quick: bool = False, dtypes: str = "float32,bfloat16") -> dict:
+    backends = resolve_backends(spec)
+    dts = [resolve_dtype(d.strip()) for d in dtypes.split(",") if d.strip()]
+    report = {
+        "schema_version": SCHEMA_VERSION,
+        "quick": quick,
+        "dtypes": [DTYPE_NAMES[d] for d in dts],
+        "header": header(backends),
+        "results": [],
+    }
+    with tqdm(total=5 * len(backends), desc="validate", unit="section") as bar:
+        for b in backends:
+            bar.set_postfix_str(b.name)
+            report["results"].append(validate_backend(b, dts, quick, bar))
+    report["verdict"] = "pass" if all(r["verdict"] == "pass" for r in report["results"]) else "fail"
+    return report

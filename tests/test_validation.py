@@ -1,0 +1,85 @@
+"""The validation suite: the cpu backend passes; planted faults are caught and named."""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import EntryPoint
+
+import pytest
+import torch
+
+from dinfer_rt import plugins
+from dinfer_rt.validation import model_checks
+from dinfer_rt.validation.conformance import run_conformance
+
+
+@pytest.fixture
+def faulty(monkeypatch):
+    real = plugins.entry_points
+
+    def with_faulty(group):
+        return list(real(group=group)) + [EntryPoint("faulty", "tests.fake_plugins.faulty", group)]
+
+    monkeypatch.setattr(plugins, "entry_points", with_faulty)
+    plugins.registry.cache_clear()
+
+
+def test_cpu_passes_op_conformance_in_every_dtype():
+    results = run_conformance(plugins.select_backend("cpu"), [torch.float32, torch.bfloat16, torch.float16])
+    assert {r["op"] for r in results} >= {"attention", "rope", "rms_norm", "moe_experts", "add_rms_norm", "swiglu"}
+    bad = [r for r in results if r["status"] != "pass"]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize(
+    "backend, op", [("faulty_norm", "rms_norm"), ("faulty_rope", "rope"), ("faulty_attention", "attention")]
+)
+def test_planted_kernel_faults_fail_and_are_named(faulty, backend, op):
+    results = run_conformance(plugins.select_backend(backend), [torch.float32])
+    failed = {r["op"] for r in results if r["status"] == "fail"}
+    assert failed == {op} or (op == "rms_norm" and failed == {"rms_norm", "add_rms_norm"})
+    first = next(r for r in results if r["status"] == "fail")
+    assert "worst element" in first["detail"] and first["max_rel"] > first["tolerance"]["rel"]
+
+
+def test_planted_fault_diverges_a_free_running_generation(faulty, ckpt_dir):
+    import dinfer_rt
+
+    path = ckpt_dir("dream")
+    bad = dinfer_rt.load_model(path, backend="faulty_rope")
+    ref = dinfer_rt.load_model(path, backend="cpu", dtype="float64")
+    params = dinfer_rt.SamplingParams(gen_length=8, block_length=4, early_stop=False)
+    res = model_checks.free_running(bad, ref, [[7, 8, 9, 10], [11, 12, 13, 14]], params)
+    assert not res["passed"]
+    fd = res["first_divergence"]
+    assert set(fd) == {"row", "position", "step", "test_token", "ref_token"} and fd["test_token"] != fd["ref_token"]
+    tf = model_checks.teacher_forced(bad, ref, [[7, 8, 9, 10]], None, 8)
+    assert not tf["passed"]
+
+
+def test_known_failure_and_unexpected_pass(monkeypatch, faulty):
+    from dinfer_rt.validation import conformance
+
+    real = conformance.load_json
+
+    def patched(name):
+        data = real(name)
+        if name == "known_failures.json":
+            data["backends"] = {"faulty_rope": {"rope/full/float32": "planted", "silu/odd/float32": "stale entry"}}
+        return data
+
+    monkeypatch.setattr(conformance, "load_json", patched)
+    results = {
+        f"{r['op']}/{r['bucket']}": r for r in run_conformance(plugins.select_backend("faulty_rope"), [torch.float32])
+    }
+    assert results["rope/full"]["status"] == "xfail" and "known failure: planted" in results["rope/full"]["detail"]
+    assert results["silu/odd"]["status"] == "unexpected-pass"
+    assert results["rope/partial-long"]["status"] == "fail"
+
+
+def test_tolerance_files_are_valid_json():
+    from dinfer_rt.validation.conformance import HERE
+
+    for name in ("tolerances.json", "known_failures.json"):
+        data = json.loads((HERE / name).read_text())
+        assert data["schema"] == 1
