@@ -83,3 +83,31 @@ def test_tolerance_files_are_valid_json():
     for name in ("tolerances.json", "known_failures.json"):
         data = json.loads((HERE / name).read_text())
         assert data["schema"] == 1
+
+
+def test_pytest_plugin_form_runs_the_op_suite(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--pyargs",
+            "dinfer_rt.validation",
+            "--dinfer-backend=cpu",
+            "--dinfer-dtypes=float32",
+            "-k",
+            "op_conformance",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-2000:]
+    assert "24 passed" in r.stdout
