@@ -43,15 +43,39 @@ def test_heldout_slice_meets_the_accuracy_bar(llm):
 
 
 def test_bfloat16_argmax_agrees_on_the_trained_model():
-    items = task.heldout(16)
-    ids = torch.tensor([[1] + [task_id(c) for c in it.prompt] + [2] * 40 for it in items])
+    """Denoising states (half the answer masked): bf16 argmax equals fp32 on >= 99% of positions
+    whose fp32 top-2 probabilities differ by more than 0.02. The excluded near-ties are the
+    permutation slots, where several letters are equally valid (probabilities ~1/k each)."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for it in task.heldout(32):
+        ans = torch.tensor([task_id(c) for c in it.answer()] + [0] * 8)
+        ans = torch.where(torch.rand(40, generator=g) < 0.5, 2, ans)
+        rows.append(torch.cat((torch.tensor([1] + [task_id(c) for c in it.prompt]), ans)))
+    ids = torch.stack(rows)
     ref = dinfer_rt.load_model().forward(ids)
     got = dinfer_rt.load_model(dtype="bfloat16").forward(ids).float()
-    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    top2 = ref.softmax(-1).topk(2, dim=-1).values
+    decided = (top2[..., 0] - top2[..., 1]) > 0.02
+    assert decided.float().mean() > 0.8
+    agree = (got.argmax(-1) == ref.argmax(-1))[decided].float().mean().item()
     assert agree >= 0.99, agree
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 5e-2
 
 
 def task_id(ch: str) -> int:
     from dinfer_rt.demo.train import VOCAB
 
     return VOCAB[ch]
+
+
+def test_generate_and_eval_commands_on_the_embedded_model(capsys):
+    from dinfer_rt.cli import main
+
+    item = task.heldout(3)[2]
+    assert main(["generate", item.letters]) == 0
+    assert task.check(item.letters, capsys.readouterr().out.strip().splitlines()[0])
+    assert main(["eval", "--limit", "5", "--json", "--strategy", "threshold"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert set(r) == {"accuracy", "nfe", "tpf", "tokens_per_s", "wall_s", "n"} and r["n"] == 5
+    assert r["tpf"] > 1.0  # the threshold rule commits several tokens per forward

@@ -1,6 +1,6 @@
 """The embedded model's task: letters -> (any permutation) | sorted # reversed.
 
-Prompt: ten distinct lower-case letters followed by ``=``. Answer (33 characters): any
+Prompt: ten distinct lower-case letters followed by ``=``. Answer (32 characters, then EOS): any
 permutation of the ten letters, ``|``, the letters sorted, ``#``, the prompt reversed.
 The permutation part has many valid answers whose positions depend on each other
 (a letter used once cannot appear again), so committing every position at once fails
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 N_LETTERS = 10
-ANSWER_CHARS = 3 * N_LETTERS + 3  # perm | sorted # reversed, then EOS
+ANSWER_TOKENS = 3 * N_LETTERS + 3  # perm | sorted # reversed (32 characters), then EOS
 HELDOUT_SEED = 20261130
 HELDOUT_SIZE = 1000
 

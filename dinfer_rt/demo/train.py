@@ -31,7 +31,7 @@ EOS_ID, BOS_ID, MASK_ID, UNK_ID = range(4)
 CHARS = "=|#" + task.LETTERS
 VOCAB = {tok: i for i, tok in enumerate(SPECIALS + list(CHARS))}
 PROMPT_LEN = 1 + task.N_LETTERS + 1  # BOS, letters, '='
-GEN_LENGTH = 40  # answer (33) padded with EOS, as LLaDA's SFT pads answers
+GEN_LENGTH = 40  # slots generated at inference: the 32-character answer, then EOS padding
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{{ message['content'] | trim }}{% endfor %}"
     "{% if add_generation_prompt %}={% endif %}"
@@ -145,7 +145,9 @@ def make_batch(rng: random.Random, batch: int, exclude: set[str]) -> torch.Tenso
         item = task.random_item(rng)
         if item.letters in exclude:
             continue
-        ans = encode(item.answer(rng)) + [EOS_ID] * (GEN_LENGTH - task.ANSWER_CHARS)
+        # EOS padding as LLaDA's SFT pads answers: 32 characters + 7 EOS = 39 slots, one short of the
+        # 40 generated at inference (an off-by-one kept so the shipped model stays reproducible).
+        ans = encode(item.answer(rng)) + [EOS_ID] * (GEN_LENGTH - task.ANSWER_TOKENS)
         rows.append([BOS_ID] + encode(item.prompt) + ans)
     return torch.tensor(rows)
 

@@ -120,7 +120,8 @@ def validate_backend(backend: Backend, dtypes: list[torch.dtype], quick: bool, b
             test.tokenizer.encode(test.tokenizer.apply_chat_template([{"role": "user", "content": it.letters}]))
             for it in items
         ]
-        answers = [test.tokenizer.encode(it.answer()) + [test.pad_id] * 7 for it in items]
+        answers = [tok.encode(it.answer()) for it in items]
+        answers = [a + [test.pad_id] * (40 - len(a)) for a in answers]
         params = SamplingParams(strategy="threshold", threshold=0.9, early_stop=False, batch_size=len(items))
         models["embedded"] = {
             "teacher_forced": model_checks.teacher_forced(test, ref, llm_prompts, answers, 40),
