@@ -116,10 +116,8 @@ def validate_backend(backend: Backend, dtypes: list[torch.dtype], quick: bool, b
         items = task.heldout(8 if quick else 32)
         test = load_model(EMBEDDED_MODEL, backend=backend.name, dtype=dtype)
         ref = load_model(EMBEDDED_MODEL, backend="cpu", dtype="float64")
-        llm_prompts = [
-            test.tokenizer.encode(test.tokenizer.apply_chat_template([{"role": "user", "content": it.letters}]))
-            for it in items
-        ]
+        tok = test.tokenizer
+        llm_prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": it.letters}])) for it in items]
         answers = [tok.encode(it.answer()) for it in items]
         answers = [a + [test.pad_id] * (40 - len(a)) for a in answers]
         params = SamplingParams(strategy="threshold", threshold=0.9, early_stop=False, batch_size=len(items))
