@@ -216,8 +216,9 @@ def reference_moe_forward(path, ids, block: int | None = None) -> torch.Tensor:
     return F.linear(_rms(x, w["model.norm.weight"], eps), w["lm_head.weight"])
 
 
-def test_llada_moe_matches_plain_reference(ckpt_dir):
-    path = ckpt_dir("llada_moe")
+@pytest.mark.parametrize("name", ["llada_moe", "llada_moe_sharded"])
+def test_llada_moe_matches_plain_reference(ckpt_dir, name):
+    path = ckpt_dir(name)
     ids = torch.randint(0, 61, (2, 10), generator=torch.Generator().manual_seed(3))
     got = dinfer_rt.load_model(path).forward(ids)
     assert rel_err(got, reference_moe_forward(path, ids)) <= RTOL
