@@ -27,8 +27,9 @@ def ckpt_dir(tmp_path_factory):
         "dream": lambda p: checkpoints.dream(p),
         "dream_sharded_tied": lambda p: checkpoints.dream(p, d=64, heads=4, kv_heads=4, shards=2, tie=True, seed=8),
         "llada_moe": lambda p: checkpoints.llada_moe(p),
-        "llada_moe_sharded": lambda p: checkpoints.llada_moe(p, d=40, heads=5, head_dim=8, experts=5, top_k=3,
-                                                             layers=3, shards=2, seed=10),
+        "llada_moe_sharded": lambda p: checkpoints.llada_moe(
+            p, d=40, heads=5, head_dim=8, experts=5, top_k=3, layers=3, shards=2, seed=10
+        ),
         "llada2": lambda p: checkpoints.llada2(p),
         "llada2_sharded": lambda p: checkpoints.llada2(
             p, heads=8, kv_heads=1, head_dim=12, shards=2, partial=1.0, seed=9
