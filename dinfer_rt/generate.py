@@ -89,11 +89,15 @@ def generate_batch(model: Model, prompts: list[list[int]], params: SamplingParam
                 break
             if step >= 4 * lb + per_block:  # safety cap: every rule commits >= 1 per step
                 raise GenerationError(f"block [{s}, {e}) did not finish in {step} steps")
-            logits = forward(x, s, e, step)
-            logits[..., mask_id] = float("-inf")  # never commit the mask token
+            out = forward(x, s, e, step)
             masked = x[:, s:e] == mask_id
             quota = plan[:, min(step, per_block - 1)] if scheduled else torch.ones(b, dtype=torch.long)
-            x0, commit = rule(strategies.StepInput(logits, masked, quota, params.temperature, gen, state))
+            if forward.use_confidence:  # the head already banned the mask token
+                step_in = strategies.StepInput(None, masked, quota, 0.0, gen, state, x0=out[0], conf=out[1])
+            else:
+                out[..., mask_id] = float("-inf")  # never commit the mask token
+                step_in = strategies.StepInput(out, masked, quota, params.temperature, gen, state)
+            x0, commit = rule(step_in)
             commit &= masked & ~done[:, None]
             x[:, s:e] = torch.where(commit, x0, x[:, s:e])
             committed += commit.sum(-1)
@@ -112,49 +116,69 @@ def generate_batch(model: Model, prompts: list[list[int]], params: SamplingParam
 
 
 class _Forwarder:
-    """Runs the forward each step needs under the cache policy; returns the block's logits [B, e - s, V]."""
+    """Runs the forward each step needs under the cache policy."""
 
     def __init__(self, model: Model, attn, params: SamplingParams, p_len: int, batch: int, n: int) -> None:
         self.model, self.attn, self.params, self.p_len = model, attn, params, p_len
         self.block_size = params.block_length if model.spec.block_causal else None
         self.cache = model.new_cache(batch, n) if params.cache != "none" else None
         self.prev_start: int | None = None
+        self.use_confidence = (
+            params.confidence_head
+            and params.strategy in strategies.STATS_ONLY
+            and params.temperature == 0
+            and params.cfg_scale == 0
+        )
         self.nfe = 0
         self.step_s: list[float] = []
 
-    def __call__(self, x: torch.Tensor, s: int, e: int, step: int) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, s: int, e: int, step: int):
+        """The block's logits [B, e - s, V], or with the confidence head (argmax, probability) [B, e - s]."""
         t0 = time.perf_counter()
-        out = self._logits(x, s, e, step)
+        out = self._step(x, s, e, step)
         self.step_s.append(time.perf_counter() - t0)
         return out
 
-    def _logits(self, x: torch.Tensor, s: int, e: int, step: int) -> torch.Tensor:
+    def _step(self, x: torch.Tensor, s: int, e: int, step: int):
         self.nfe += 1
-        m, p, n = self.model, self.params, x.shape[1]
-
-        def fwd(lo: int, hi: int) -> torch.Tensor:
-            return m.forward(x, self.attn, cache=self.cache, compute=torch.arange(lo, hi), block_size=self.block_size)
-
-        if p.cfg_scale > 0:
+        m = self.model
+        if self.params.cfg_scale > 0:
             return self._guided(x)[:, s:e]
+        lo, hi, cached = self._window(s, e, step, x.shape[1])
+        cache = self.cache if cached else None
+        compute = torch.arange(lo, hi) if cached else None
+        if not self.use_confidence:
+            return m.forward(x, self.attn, cache=cache, compute=compute, block_size=self.block_size)[:, s - lo : e - lo]
+        # Confidence head: the LM head runs only where some row still has a mask.
+        select = torch.arange(s, e)[(x[:, s:e] == m.mask_id).any(0)]
+        conf, token = m.confidence(
+            x, self.attn, select=select, cache=cache, compute=compute, block_size=self.block_size
+        )
+        x0 = torch.full((x.shape[0], e - s), m.mask_id, dtype=torch.long)
+        probs = torch.zeros((x.shape[0], e - s), dtype=conf.dtype)
+        x0[:, select - s], probs[:, select - s] = token.cpu(), conf.cpu()
+        return x0, probs
+
+    def _window(self, s: int, e: int, step: int, n: int) -> tuple[int, int, bool]:
+        """Positions [lo, hi) this step computes, and whether it reads and writes the cache."""
+        p, m = self.params, self.model
         if self.cache is None or (p.cache == "vicinity" and self.nfe <= p.vicinity_warmup):
-            return m.forward(x, self.attn, block_size=self.block_size)[:, s:e]
+            return 0, n, False
         if m.spec.block_causal:
             # Earlier blocks never see later ones: K/V of finished blocks are final, except the previous
             # block's, whose last forward still held masks. Refresh it together with the block's first step.
             if step == 0:
                 lo = 0 if self.prev_start is None else self.prev_start
                 self.prev_start = s
-                return fwd(lo, e)[:, s - lo :]
-            return fwd(s, e)
+                return lo, e, True
+            return s, e, True
         if step == 0:  # refresh: every position's K/V, and the block's first decode step
-            return fwd(0, n)[:, s:e]
+            return 0, n, True
         if p.cache == "prefix":
-            return fwd(s, n)[:, : e - s]
+            return s, n, True
         if p.cache == "dual":
-            return fwd(s, e)
-        lo, hi = max(0, s - p.vicinity_before), min(n, e + p.vicinity_after)
-        return fwd(lo, hi)[:, s - lo : e - lo]
+            return s, e, True
+        return max(0, s - p.vicinity_before), min(n, e + p.vicinity_after), True
 
     def _guided(self, x: torch.Tensor) -> torch.Tensor:
         """Classifier-free guidance: the unconditional row has its prompt masked (LLaDA ``generate``)."""

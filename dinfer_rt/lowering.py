@@ -20,8 +20,21 @@ from dinfer_rt.ir import Graph, TensorType, Value
 from dinfer_rt.spec import ModelSpec, param_plan
 
 
-def lower(spec: ModelSpec, dtype: torch.dtype, *, cached: bool = False, block_size: int | None = None) -> Graph:
-    """Build and verify the forward graph of ``spec`` in compute dtype ``dtype``."""
+def lower(
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    *,
+    cached: bool = False,
+    block_size: int | None = None,
+    head: str = "logits",
+    mask_id: int | None = None,
+) -> Graph:
+    """Build and verify the forward graph of ``spec`` in compute dtype ``dtype``.
+
+    ``head="confidence"`` adds an input ``select`` i64[M] (indices into the T computed tokens)
+    and outputs ``confidence`` / ``token`` [B, M] (max probability and argmax with ``mask_id``
+    banned) instead of ``logits``: the scheduler's threshold-style rules need nothing else.
+    """
     acc = accumulate_dtype(dtype)
     g = Graph(f"{spec.family}{'_cached' if cached else ''}")
     ids = g.input("input_ids", TensorType(("B", "T"), torch.int64))
@@ -77,7 +90,13 @@ def lower(spec: ModelSpec, dtype: torch.dtype, *, cached: bool = False, block_si
             y = _swiglu(g, m, P[L + "gate"], P[L + "up"], P[L + "down"])
         h = g.op("add", h, y)
     h = g.op("rms_norm", h, P["final_norm"], eps=spec.eps)
-    g.output("logits", g.op("linear", h, P["lm_head"]))
+    if head == "confidence":
+        h = g.op("index_tokens", h, g.input("select", TensorType(("M",), torch.int64)))
+        conf, token = g.op("confidence", g.op("linear", h, P["lm_head"]), banned=mask_id)
+        g.output("confidence", conf)
+        g.output("token", token)
+    else:
+        g.output("logits", g.op("linear", h, P["lm_head"]))
     return g.verify()
 
 

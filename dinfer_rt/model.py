@@ -47,7 +47,7 @@ class Model:
         self.path, self.spec, self.weights, self.tokenizer = path, spec, weights, tokenizer
         self.backend, self.dtype = backend, dtype
         self.block_size = spec.default_block_size
-        self._compiled: dict[tuple[bool, int | None], Executable] = {}
+        self._compiled: dict[tuple[bool, int | None, str], Executable] = {}
         self.pass_counts: dict[str, int] = {}  # rewrites per pass in the last compiled graph
         self.pass_counts: dict[str, int] = {}  # rewrites per pass in the last compiled graph
 
@@ -55,11 +55,12 @@ class Model:
     def graph(self, cached: bool = False, block_size: int | None = None) -> Graph:
         return self.executable(cached, block_size).graph
 
-    def executable(self, cached: bool, block_size: int | None = None) -> Executable:
+    def executable(self, cached: bool, block_size: int | None = None, head: str = "logits") -> Executable:
         bs = (block_size or self.block_size) if self.spec.block_causal else None
-        key = (cached, bs)
+        key = (cached, bs, head)
         if key not in self._compiled:
-            graph = lower(self.spec, self.dtype, cached=cached, block_size=bs)
+            mask = self.mask_id if head == "confidence" else None
+            graph = lower(self.spec, self.dtype, cached=cached, block_size=bs, head=head, mask_id=mask)
             graph, self.pass_counts = self.backend.optimize(graph, self.weights)
             self._compiled[key] = self.backend.compile(graph, self.weights)
         return self._compiled[key]
@@ -128,6 +129,40 @@ class Model:
         tokens (1) versus padding (0). ``compute`` (default: all N) selects the positions
         to run; with ``cache`` every other position's K/V is read from it.
         """
+        inputs, run, want = self._inputs(input_ids, attention_mask, cache, compute)
+        logits = self.executable(cache is not None, block_size)(inputs)["logits"]
+        if self.spec.shift_logits:
+            logits = logits[:, self._predicted_by(run, want).to(logits.device)]
+        return logits
+
+    @torch.no_grad()
+    def confidence(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        select: torch.Tensor,
+        cache: KVCache | None = None,
+        compute: torch.Tensor | None = None,
+        block_size: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(max probability, argmax) [B, len(select)] at positions ``select`` (a subset of
+        ``compute``), mask token banned, through the confidence head: the LM head runs only
+        at those positions and, fused, never builds their [positions x vocab] probabilities."""
+        inputs, run, want = self._inputs(input_ids, attention_mask, cache, compute)
+        select = select.long()
+        if not torch.isin(select, want).all():
+            raise GenerationError("confidence: every selected position must be computed")
+        inputs["select"] = self._predicted_by(run, select).to(self.backend.device())
+        out = self.executable(cache is not None, block_size, head="confidence")(inputs)
+        return out["confidence"], out["token"]
+
+    def _predicted_by(self, run: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Index in ``run`` of the logit that predicts each position (Dream: the one before it)."""
+        src = (positions - 1).clamp_min(0) if self.spec.shift_logits else positions
+        return torch.searchsorted(run, src)
+
+    def _inputs(self, input_ids, attention_mask, cache, compute):
         if input_ids.dim() != 2:
             raise GenerationError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
         b, n = input_ids.shape
@@ -155,11 +190,6 @@ class Model:
                 )
             for i in range(self.spec.n_layers):
                 inputs[f"k_cache.{i}"], inputs[f"v_cache.{i}"] = cache.k[i], cache.v[i]
-        out = self.executable(cache is not None, block_size)(inputs)
-        logits = out["logits"]
-        if self.spec.shift_logits:
-            where = torch.searchsorted(run, (want - 1).clamp_min(0)).to(logits.device)
-            logits = logits[:, where]
-        return logits
+        return inputs, run, want
 
     __call__ = forward

@@ -46,6 +46,7 @@ class SamplingParams:
     vicinity_before: int = 16
     vicinity_after: int = 16
     vicinity_warmup: int = 4
+    confidence_head: bool = True  # greedy threshold-style rules use the model's fused confidence head
     early_stop: bool = True
     sync_every: int = 1  # check completion every k steps (loop unrolling; wasted forwards count in NFE)
     batch_size: int = 16

@@ -25,6 +25,8 @@ class StepInput:
     temperature: float
     generator: torch.Generator | None
     state: dict = field(default_factory=dict)  # per-block state for stateful rules (credit)
+    x0: torch.Tensor | None = None  # with logits=None: argmax and max probability [B, L] from the
+    conf: torch.Tensor | None = None  # model's confidence head (greedy rules in STATS_ONLY)
 
 
 def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -53,8 +55,17 @@ def _top_quota(score: torch.Tensor, masked: torch.Tensor, quota: torch.Tensor) -
 
 
 def _confidence(logits: torch.Tensor, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    probs = logits.float().softmax(-1)
+    probs = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32).softmax(-1)
     return probs.gather(-1, x0[..., None]).squeeze(-1), probs
+
+
+def candidates(s: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
+    """(candidate tokens, their probability): from the confidence head when the engine used it,
+    else sampled from the logits."""
+    if s.logits is None:
+        return s.x0, s.conf
+    x0 = sample(s.logits, s.temperature, s.generator)
+    return x0, _confidence(s.logits, x0)[0]
 
 
 def _at_least_one(commit: torch.Tensor, conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
@@ -64,8 +75,7 @@ def _at_least_one(commit: torch.Tensor, conf: torch.Tensor, masked: torch.Tensor
 
 
 def low_confidence(s: StepInput):
-    x0 = sample(s.logits, s.temperature, s.generator)
-    conf, _ = _confidence(s.logits, x0)
+    x0, conf = candidates(s)
     return x0, _top_quota(conf, s.masked, s.quota)
 
 
@@ -94,8 +104,7 @@ def entropy(s: StepInput):
 
 def make_threshold(tau: float) -> Callable:
     def threshold(s: StepInput):
-        x0 = sample(s.logits, s.temperature, s.generator)
-        conf, _ = _confidence(s.logits, x0)
+        x0, conf = candidates(s)
         return x0, _at_least_one(s.masked & (conf >= tau), conf, s.masked)
 
     return threshold
@@ -105,8 +114,7 @@ def make_factor(f: float) -> Callable:
     """Fast-dLLM factor rule: commit the top n with (n + 1) * (1 - c_n) < f, at least one."""
 
     def factor(s: StepInput):
-        x0 = sample(s.logits, s.temperature, s.generator)
-        conf, _ = _confidence(s.logits, x0)
+        x0, conf = candidates(s)
         c = conf.masked_fill(~s.masked, NEG).sort(-1, descending=True).values
         n = torch.arange(1, c.shape[-1] + 1)
         ok = ((n + 1) * (1 - c) < f) & (c > NEG)
@@ -121,8 +129,7 @@ def make_hierarchical(high: float, low: float) -> Callable:
     masked slots, its best slot if above ``low``; plus the row's best slot."""
 
     def hierarchical(s: StepInput):
-        x0 = sample(s.logits, s.temperature, s.generator)
-        conf, _ = _confidence(s.logits, x0)
+        x0, conf = candidates(s)
         conf = conf.masked_fill(~s.masked, NEG)
         b, L = s.masked.shape
         start = s.masked & ~torch.nn.functional.pad(s.masked, (1, 0))[:, :L]
@@ -156,6 +163,8 @@ def make_credit(tau: float, decay: float, boost: float, alpha: float) -> Callabl
 
 
 SCHEDULED = ("low_confidence", "random", "maskgit_plus", "topk_margin", "entropy")
+STATS_ONLY = ("low_confidence", "maskgit_plus", "threshold", "factor", "hierarchical")
+"""Rules that, when greedy, need only each position's argmax and its probability."""
 
 
 def build(params) -> Callable[[StepInput], tuple[torch.Tensor, torch.Tensor]]:

@@ -453,3 +453,80 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for h = [gate | up] along the last dim (merged gate/up projection)."""
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# ---------------------------------------------------------------- confidence head
+
+
+def _infer_index_tokens(ts, attrs):
+    h, select = ts
+    _need(
+        h.rank == 3 and select.rank == 1 and not select.is_float,
+        "index_tokens",
+        f"takes h [B, T, H] and integer select [M], got {h}, {select}",
+    )
+    return [h.with_shape(h.shape[0], select.shape[0], h.shape[2])]
+
+
+@_register("index_tokens", 2)(_infer_index_tokens)
+def index_tokens(h: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
+    """The rows of h at token indices ``select`` (the positions whose predictions are needed)."""
+    return h.index_select(1, select)
+
+
+def _confidence_types(shape, acc) -> list[TensorType]:
+    return [TensorType(shape, acc), TensorType(shape, torch.int64)]
+
+
+def _infer_confidence(ts, attrs):
+    logits = ts[0]
+    _need(logits.is_float, "confidence", f"needs float logits, got {logits}")
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return _confidence_types(logits.shape[:-1], acc)
+
+
+@_register("confidence", 1)(_infer_confidence)
+def confidence(logits: torch.Tensor, *, banned: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max probability, argmax) over the vocabulary with token ``banned`` (the mask) excluded;
+    probabilities in fp32 (f64 when validating)."""
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    z = logits.to(acc).clone()
+    z[..., banned] = float("-inf")
+    conf, token = z.softmax(-1).max(-1)
+    return conf, token
+
+
+def _infer_lm_head_confidence(ts, attrs):
+    (logits,) = _infer_linear(ts[:2], {})
+    return _infer_confidence([logits], attrs)
+
+
+@_register("lm_head_confidence", 2)(_infer_lm_head_confidence)
+def lm_head_confidence(h: torch.Tensor, weight: torch.Tensor, *, banned: int, chunk: int = 8192):
+    """Fused LM head + confidence; reference semantics = its decomposition
+    ``confidence(linear(h, weight))``. Backends implement it without building the
+    [positions x vocab] probabilities (see the cpu backend's chunked kernel)."""
+    return confidence(linear(h, weight), banned=banned)
+
+
+def lm_head_confidence_chunked(h: torch.Tensor, weight: torch.Tensor, *, banned: int, chunk: int = 8192):
+    """Online-softmax kernel for ``lm_head_confidence``: one vocabulary chunk of logits at a time,
+    tracking the running max, the rescaled sum of exponentials and the argmax."""
+    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    shape = h.shape[:-1]
+    run_max = torch.full(shape, float("-inf"), dtype=acc, device=h.device)
+    run_sum = torch.zeros(shape, dtype=acc, device=h.device)
+    best = torch.zeros(shape, dtype=torch.int64, device=h.device)
+    for lo in range(0, weight.shape[0], chunk):
+        z = F.linear(h, weight[lo : lo + chunk]).to(acc)
+        if lo <= banned < lo + z.shape[-1]:
+            z[..., banned - lo] = float("-inf")
+        cmax, carg = z.max(-1)
+        new_max = torch.maximum(run_max, cmax)
+        ref = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))  # all -inf so far
+        rescale = torch.where(torch.isfinite(run_max), torch.exp(run_max - ref), torch.zeros_like(ref))
+        run_sum = run_sum * rescale + torch.exp(z - ref[..., None]).sum(-1)
+        best = torch.where(cmax > run_max, carg + lo, best)
+        run_max = new_max
+    ref = torch.where(torch.isfinite(run_max), run_max, torch.zeros_like(run_max))
+    return torch.exp(run_max - ref) / run_sum, best  # max probability = exp(max) / sum(exp)

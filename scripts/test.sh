@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/python -m pip install -q --no-deps --no-build-isolation ./examples/onnxruntime_backend 2>&1 \
+.venv/bin/python -m pip install -q --no-deps --force-reinstall --no-build-isolation ./examples/onnxruntime_backend 2>&1 \
     | grep -v '^WARNING: Location' || true
 .venv/bin/dinfer-rt validate --backends all --quick --markdown "${TMPDIR:-/tmp}/dinfer-validate.md"
 .venv/bin/python -m pytest "$@"

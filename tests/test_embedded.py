@@ -79,3 +79,9 @@ def test_generate_and_eval_commands_on_the_embedded_model(capsys):
     r = json.loads(capsys.readouterr().out)
     assert set(r) == {"accuracy", "nfe", "tpf", "tokens_per_s", "wall_s", "n"} and r["n"] == 5
     assert r["tpf"] > 1.0  # the threshold rule commits several tokens per forward
+
+
+def test_training_script_writes_the_shipped_config_exactly():
+    from dinfer_rt.demo.train import model_config
+
+    assert json.dumps(model_config(), indent=2) + "\n" == (EMBEDDED_MODEL / "config.json").read_text()

@@ -21,7 +21,17 @@ PLUGIN = ROOT / "examples" / "onnxruntime_backend"
 def installed_plugin():
     pytest.importorskip("onnxruntime")
     r = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", str(PLUGIN)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--force-reinstall",
+            "--no-build-isolation",
+            str(PLUGIN),
+        ],
         capture_output=True,
         text=True,
         timeout=600,

@@ -160,3 +160,43 @@ def test_golden_ir_after_pipeline(ckpt_dir, name, backend):
         snap.write_text(text)
     assert snap.exists(), f"no snapshot {snap.name}: run with UPDATE_SNAPSHOTS=1 and review it"
     assert text == snap.read_text()
+
+
+def test_confidence_head_never_builds_the_probability_tensor():
+    """An LLaDA-8B-shaped denoising step (block of 32 masked positions, vocab 126,464), weights on
+    the meta device: fusing the LM head with the confidence reduction lowers the simulated peak by
+    at least the float32 [32 x 126464] tensor the unfused graph materialises."""
+    import json
+    import tempfile
+
+    from dinfer_rt.lowering import lower
+    from dinfer_rt.passes import schedule
+    from dinfer_rt.plugins import select_backend
+    from dinfer_rt.spec import param_plan, parse_spec
+
+    cfg = {
+        "architectures": ["LLaDAModelLM"],
+        "model_type": "llada",
+        "d_model": 4096,
+        "n_layers": 32,
+        "n_heads": 32,
+        "n_kv_heads": 32,
+        "mlp_hidden_size": 12288,
+        "vocab_size": 126464,
+        "max_sequence_length": 4096,
+    }
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(cfg))
+        spec = parse_spec(Path(d))
+    weights = {p.name: torch.empty(p.shape, device="meta") for p in param_plan(spec)}  # nothing allocated
+    bind = {"B": 1, "T": 32, "S": 1024, "M": 32}
+    before = lower(spec, torch.float32, cached=True, head="confidence", mask_id=126336)
+    peak_before = schedule.peak_bytes(before, list(range(len(before.nodes))), bind)
+    after, counts = select_backend("cpu").optimize(
+        lower(spec, torch.float32, cached=True, head="confidence", mask_id=126336), weights
+    )
+    assert counts["lm_head_confidence"] == 1 and "linear" not in [n.op for n in after.nodes[-2:]]
+    peak_after = schedule.peak_bytes(after, list(range(len(after.nodes))), bind)
+    # The unfused graph holds the f32 logits while its confidence op builds f32 probabilities of the
+    # same size (op workspace, simulated); the fused kernel holds one vocabulary chunk.
+    assert peak_before - peak_after >= 32 * 126464 * 4

@@ -196,3 +196,19 @@ def test_rule_invariants_over_random_logits(strategy, seed, length, batch, tempe
         x = torch.where(commit, x0, x)
         assert torch.equal(x[~masked], before[~masked])
     assert not (x == mask_id).any()
+
+
+@pytest.mark.parametrize("name", ["llada", "dream", "llada2"])
+@pytest.mark.parametrize("strategy", strategies.STATS_ONLY)
+@pytest.mark.parametrize("cache", ["none", "dual", "vicinity"])
+def test_confidence_head_equals_the_logits_path(ckpt_dir, name, strategy, cache):
+    """Greedy threshold-style rules through the fused confidence head (LM head only at masked
+    positions, no [positions x vocab] probabilities) commit exactly what the logits path commits."""
+    model = dinfer_rt.load_model(ckpt_dir(name))
+    kw = dict(
+        gen_length=8, block_length=4, strategy=strategy, threshold=0.3, cache=cache, early_stop=False, vicinity_warmup=1
+    )
+    fused = generate_batch(model, [[7, 8, 9], [10, 11]], SamplingParams(**kw))
+    plain = generate_batch(model, [[7, 8, 9], [10, 11]], SamplingParams(confidence_head=False, **kw))
+    assert torch.equal(fused.tokens, plain.tokens) and fused.nfe == plain.nfe
+    assert model.executable(cache != "none", 4, head="confidence").graph.op_counts().get("lm_head_confidence") == 1

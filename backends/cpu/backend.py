@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 import torch
 from dinfer_rt.ir import OPS
+from dinfer_rt.ir.ops import lm_head_confidence_chunked
 
 from dinfer_rt.backend import Availability, Backend, Capabilities
 from dinfer_rt.executor import Kernel
@@ -28,4 +29,7 @@ class CpuBackend(Backend):
         return Capabilities(dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64))
 
     def kernels(self) -> Mapping[str, Kernel]:
-        return {name: op.reference for name, op in OPS.items()}
+        kernels = {name: op.reference for name, op in OPS.items()}
+        # The one fused op whose point is memory: never build [positions x vocab] probabilities.
+        kernels["lm_head_confidence"] = lm_head_confidence_chunked
+        return kernels

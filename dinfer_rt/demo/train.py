@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dinfer_rt.demo import task
+from dinfer_rt.layouts import llada_config
 
 SPECIALS = ["<|endoftext|>", "<|startoftext|>", "<|mdm_mask|>", "<|unk|>"]
 EOS_ID, BOS_ID, MASK_ID, UNK_ID = range(4)
@@ -40,38 +41,20 @@ CHAT_TEMPLATE = (
 
 def model_config(d_model: int = 192, n_layers: int = 6, n_heads: int = 6, mlp: int = 512) -> dict:
     """config.json with LLaDA-8B's real field names, at a small scale."""
-    return {
-        "architectures": ["LLaDAModelLM"],
-        "model_type": "llada",
-        "d_model": d_model,
-        "n_layers": n_layers,
-        "n_heads": n_heads,
-        "n_kv_heads": n_heads,
-        "mlp_hidden_size": mlp,
-        "mlp_ratio": 4,
-        "activation_type": "silu",
-        "block_type": "llama",
-        "layer_norm_type": "rms",
-        "rms_norm_eps": 1e-5,
-        "rope": True,
-        "rope_theta": 10000.0,
-        "rope_full_precision": True,
-        "max_sequence_length": 64,
-        "vocab_size": len(VOCAB),
-        "embedding_size": len(VOCAB),
-        "weight_tying": False,
-        "include_bias": False,
-        "include_qkv_bias": False,
-        "attention_layer_norm": False,
-        "scale_logits": False,
-        "input_emb_norm": False,
-        "mask_token_id": MASK_ID,
-        "eos_token_id": EOS_ID,
-        "pad_token_id": EOS_ID,
-        "bos_token_id": BOS_ID,
-        "precision": "fp32",
-        "use_cache": False,
-    }
+    return llada_config(
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_heads,
+        mlp=mlp,
+        vocab=len(VOCAB),
+        rope_theta=10000.0,
+        max_len=64,
+        mask_id=MASK_ID,
+        eos_id=EOS_ID,
+        bos_id=BOS_ID,
+        precision="fp32",
+    )
 
 
 class Block(nn.Module):

@@ -96,6 +96,29 @@ def merge_projections(graph: Graph, ctx) -> int:
     return count
 
 
+def lm_head_confidence(graph: Graph, ctx) -> int:
+    """confidence(linear(h, W)) -> lm_head_confidence(h, W): the logits of the positions still
+    masked are reduced to (max probability, argmax) without building [positions x vocab]."""
+    pat = P("confidence", P("linear", P(name="h"), P(name="w", kind="param"), name="logits"), name="out")
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "confidence":
+            continue
+        caps = match(pat, node.outputs[0], producers(graph))
+        if caps is None or use_counts(graph)[id(caps["logits"])] != 1:
+            continue
+        lin = caps["logits.node"]
+        if len(lin.inputs) > 2 and lin.inputs[2] is not None:
+            continue
+        at = graph.nodes.index(node)
+        fused = new_node(graph, "lm_head_confidence", [caps["h"], caps["w"]], at, banned=node.attrs["banned"])
+        for old, new in zip(node.outputs, fused.outputs):
+            replace_uses(graph, old, new)
+        remove(graph, [node, lin])
+        count += 1
+    return count
+
+
 def concat_type(values) -> TensorType:
     first = values[0].type
     return TensorType((sum(v.type.shape[0] for v in values), *first.shape[1:]), first.dtype)

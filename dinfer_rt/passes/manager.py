@@ -48,6 +48,7 @@ def default_pipeline() -> list[Pass]:
         Pass("merge_gate_up", "fusion", fusion.merge_gate_up, needs_ops=("swiglu",)),
         Pass("merge_projections", "fusion", fusion.merge_projections, needs_ops=("split",)),
         Pass("add_rms_norm", "fusion", fusion.add_rms_norm, needs_ops=("add_rms_norm",)),
+        Pass("lm_head_confidence", "fusion", fusion.lm_head_confidence, needs_ops=("lm_head_confidence",)),
         Pass("dce_after_fusion", "cleanup", cleanup.dead_code),
         Pass("reorder_memory", "schedule", schedule.reorder),
     ]

@@ -41,6 +41,17 @@ def dependencies(graph: Graph) -> list[set[int]]:
     return preds
 
 
+def workspace_bytes(node: Node, bindings: dict[str, int]) -> int:
+    """Temporary memory an op needs while it runs, beyond its outputs: ``confidence`` builds the
+    fp32 probabilities of its whole input; the fused ``lm_head_confidence`` one vocabulary chunk."""
+    if node.op == "confidence":
+        return nbytes(node.inputs[0], bindings) // node.inputs[0].type.dtype.itemsize * 4
+    if node.op == "lm_head_confidence":
+        rows = nbytes(node.outputs[0], bindings) // node.outputs[0].type.dtype.itemsize
+        return rows * min(node.attrs.get("chunk", 8192), node.inputs[1].type.shape[0]) * 4
+    return 0
+
+
 def fresh_outputs(node: Node) -> list[Value]:
     """Outputs that need new memory: an op's trailing outputs alias the inputs it mutates
     (the KV caches returned by ``attention``)."""
@@ -49,8 +60,8 @@ def fresh_outputs(node: Node) -> list[Value]:
 
 
 def peak_bytes(graph: Graph, order: list[int], bindings: dict[str, int] = DEFAULT_BINDINGS) -> int:
-    """Peak bytes of live node outputs when running ``order`` (inputs and weights not counted;
-    graph outputs stay live to the end)."""
+    """Peak bytes of live node outputs, plus each op's workspace while it runs, when running
+    ``order`` (inputs and weights not counted; graph outputs stay live to the end)."""
     nodes = graph.nodes
     last: dict[int, int] = {}
     for pos, i in enumerate(order):
@@ -67,7 +78,7 @@ def peak_bytes(graph: Graph, order: list[int], bindings: dict[str, int] = DEFAUL
             if id(o) not in keep:
                 end = last.get(id(o), pos)
                 freeing[end] = freeing.get(end, 0) + size
-        peak = max(peak, live)
+        peak = max(peak, live + workspace_bytes(nodes[i], bindings))  # outputs and workspace coexist
         live -= freeing.pop(pos, 0)
     return peak
 

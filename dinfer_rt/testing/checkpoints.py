@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from dinfer_rt.layouts import llada_config
+
 MASK, EOS = 5, 1
 
 
@@ -97,38 +99,19 @@ def llada(
     g = torch.Generator().manual_seed(seed)
     kv = kv_heads or heads
     hd = d // heads
-    cfg = {
-        "architectures": ["LLaDAModelLM"],
-        "model_type": "llada",
-        "auto_map": {"AutoConfig": "configuration_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM"},
-        "d_model": d,
-        "n_layers": layers,
-        "n_heads": heads,
-        "n_kv_heads": kv,
-        "mlp_hidden_size": mlp,
-        "mlp_ratio": 4,
-        "activation_type": "silu",
-        "block_type": "llama",
-        "layer_norm_type": "rms",
-        "rms_norm_eps": 1e-5,
-        "rope": True,
-        "rope_theta": 500000.0,
-        "rope_full_precision": True,
-        "max_sequence_length": 256,
-        "vocab_size": vocab,
-        "embedding_size": vocab,
-        "weight_tying": False,
-        "include_bias": False,
-        "include_qkv_bias": False,
-        "attention_layer_norm": False,
-        "scale_logits": False,
-        "input_emb_norm": False,
-        "mask_token_id": MASK,
-        "eos_token_id": EOS,
-        "pad_token_id": EOS,
-        "precision": "amp_bf16",
-        "use_cache": False,
-    }
+    cfg = llada_config(
+        d_model=d,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv,
+        mlp=mlp,
+        vocab=vocab,
+        rope_theta=500000.0,
+        max_len=256,
+        mask_id=MASK,
+        eos_id=EOS,
+        auto_map={"AutoConfig": "configuration_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM"},
+    )
     p = "model.transformer."
     t = {
         p + "wte.weight": _rand(g, vocab, d, scale=1.0),

@@ -130,6 +130,15 @@ def cases(quick: bool = False) -> list[OpCase]:
             float_inputs=(0, 1, 2),
         ),
         OpCase("swiglu", "odd", lambda g: [_r(g, 2, 5, 2 * 37, scale=2)], float_inputs=(0,)),
+        OpCase("index_tokens", "subset", lambda g: [_r(g, 2, 9, 24), torch.tensor([0, 3, 8])], float_inputs=(0,)),
+        OpCase("confidence", "vocab-odd", lambda g: [_r(g, 2, 5, 1001, scale=3)], {"banned": 7}, float_inputs=(0,)),
+        OpCase(
+            "lm_head_confidence",
+            "vocab-not-chunk-multiple",
+            lambda g: [_r(g, 2, 5, 48), _r(g, 20011, 48)],
+            {"banned": 17, "chunk": 4096},
+            float_inputs=(0, 1),
+        ),
     ]
     if not quick:
         return c

@@ -207,6 +207,18 @@ def _moe_experts(b, ins, node):
     return [b.emit("Einsum", [y, dense], equation="bteh,bte->bth")]
 
 
+def _index_tokens(b, ins, node):
+    return [b.emit("Gather", [ins[0], ins[1]], axis=1)]
+
+
+def _confidence(b, ins, node):
+    vocab = node.inputs[0].type.shape[-1]
+    ban = np.zeros(vocab, dtype=np.float32)
+    ban[node.attrs["banned"]] = -np.inf
+    probs = b.emit("Softmax", [b.emit("Add", [ins[0], b.const(ban, np.float32)])], axis=-1)
+    return [b.emit("ReduceMax", [probs, b.const([-1])], keepdims=0), b.emit("ArgMax", [probs], axis=-1, keepdims=0)]
+
+
 CONVERTERS = {
     "embedding": _embedding,
     "rms_norm": _rms_norm,
@@ -223,6 +235,8 @@ CONVERTERS = {
     "router_softmax_topk": _router_softmax_topk,
     "router_sigmoid_grouped": _router_sigmoid_grouped,
     "moe_experts": _moe_experts,
+    "index_tokens": _index_tokens,
+    "confidence": _confidence,
 }
 
 OUTPUT_SUFFIX = "__new"
