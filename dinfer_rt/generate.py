@@ -151,8 +151,9 @@ class _Forwarder:
             return m.forward(x, self.attn, cache=cache, compute=compute, block_size=self.block_size)[:, s - lo : e - lo]
         # Confidence head: the LM head runs only where some row still has a mask.
         select = torch.arange(s, e)[(x[:, s:e] == m.mask_id).any(0)]
+        score = strategies.SCORE_KIND[self.params.strategy]
         conf, token = m.confidence(
-            x, self.attn, select=select, cache=cache, compute=compute, block_size=self.block_size
+            x, self.attn, select=select, score=score, cache=cache, compute=compute, block_size=self.block_size
         )
         x0 = torch.full((x.shape[0], e - s), m.mask_id, dtype=torch.long)
         probs = torch.zeros((x.shape[0], e - s), dtype=conf.dtype)

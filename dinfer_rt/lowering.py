@@ -28,12 +28,14 @@ def lower(
     block_size: int | None = None,
     head: str = "logits",
     mask_id: int | None = None,
+    score: str = "max",
 ) -> Graph:
     """Build and verify the forward graph of ``spec`` in compute dtype ``dtype``.
 
     ``head="confidence"`` adds an input ``select`` i64[M] (indices into the T computed tokens)
-    and outputs ``confidence`` / ``token`` [B, M] (max probability and argmax with ``mask_id``
-    banned) instead of ``logits``: the scheduler's threshold-style rules need nothing else.
+    and outputs ``confidence`` / ``token`` [B, M] (the ``score`` kind: max probability, margin or
+    negative entropy; and the argmax, ``mask_id`` banned) instead of ``logits``: the scheduler's
+    greedy rules need nothing else.
     """
     acc = accumulate_dtype(dtype)
     g = Graph(f"{spec.family}{'_cached' if cached else ''}")
@@ -92,7 +94,7 @@ def lower(
     h = g.op("rms_norm", h, P["final_norm"], eps=spec.eps)
     if head == "confidence":
         h = g.op("index_tokens", h, g.input("select", TensorType(("M",), torch.int64)))
-        conf, token = g.op("confidence", g.op("linear", h, P["lm_head"]), banned=mask_id)
+        conf, token = g.op("confidence", g.op("linear", h, P["lm_head"]), banned=mask_id, kind=score)
         g.output("confidence", conf)
         g.output("token", token)
     else:

@@ -47,7 +47,7 @@ class Model:
         self.path, self.spec, self.weights, self.tokenizer = path, spec, weights, tokenizer
         self.backend, self.dtype = backend, dtype
         self.block_size = spec.default_block_size
-        self._compiled: dict[tuple[bool, int | None, str], Executable] = {}
+        self._compiled: dict[tuple[bool, int | None, str, str], Executable] = {}
         self.pass_counts: dict[str, int] = {}  # rewrites per pass in the last compiled graph
         self.pass_counts: dict[str, int] = {}  # rewrites per pass in the last compiled graph
 
@@ -55,12 +55,14 @@ class Model:
     def graph(self, cached: bool = False, block_size: int | None = None) -> Graph:
         return self.executable(cached, block_size).graph
 
-    def executable(self, cached: bool, block_size: int | None = None, head: str = "logits") -> Executable:
+    def executable(
+        self, cached: bool, block_size: int | None = None, head: str = "logits", score: str = "max"
+    ) -> Executable:
         bs = (block_size or self.block_size) if self.spec.block_causal else None
-        key = (cached, bs, head)
+        key = (cached, bs, head, score if head == "confidence" else "")
         if key not in self._compiled:
             mask = self.mask_id if head == "confidence" else None
-            graph = lower(self.spec, self.dtype, cached=cached, block_size=bs, head=head, mask_id=mask)
+            graph = lower(self.spec, self.dtype, cached=cached, block_size=bs, head=head, mask_id=mask, score=score)
             graph, self.pass_counts = self.backend.optimize(graph, self.weights)
             self._compiled[key] = self.backend.compile(graph, self.weights)
         return self._compiled[key]
@@ -142,19 +144,21 @@ class Model:
         attention_mask: torch.Tensor | None = None,
         *,
         select: torch.Tensor,
+        score: str = "max",
         cache: KVCache | None = None,
         compute: torch.Tensor | None = None,
         block_size: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(max probability, argmax) [B, len(select)] at positions ``select`` (a subset of
-        ``compute``), mask token banned, through the confidence head: the LM head runs only
-        at those positions and, fused, never builds their [positions x vocab] probabilities."""
+        """(score, argmax) [B, len(select)] at positions ``select`` (a subset of ``compute``), mask
+        token banned, through the confidence head; ``score`` is "max" (top-1 probability),
+        "margin" or "entropy" (negative entropy). The LM head runs only at those positions and,
+        fused, never builds their [positions x vocab] probabilities."""
         inputs, run, want = self._inputs(input_ids, attention_mask, cache, compute)
         select = select.long()
         if not torch.isin(select, want).all():
             raise GenerationError("confidence: every selected position must be computed")
         inputs["select"] = self._predicted_by(run, select).to(self.backend.device())
-        out = self.executable(cache is not None, block_size, head="confidence")(inputs)
+        out = self.executable(cache is not None, block_size, head="confidence", score=score)(inputs)
         return out["confidence"], out["token"]
 
     def _predicted_by(self, run: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

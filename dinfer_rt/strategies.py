@@ -90,12 +90,16 @@ def maskgit_plus(s: StepInput):
 
 
 def topk_margin(s: StepInput):
+    if s.logits is None:  # the confidence head computed the margin
+        return s.x0, _top_quota(s.conf, s.masked, s.quota)
     x0 = sample(s.logits, s.temperature, s.generator)
     top2 = s.logits.float().softmax(-1).topk(2, dim=-1).values
     return x0, _top_quota(top2[..., 0] - top2[..., 1], s.masked, s.quota)
 
 
 def entropy(s: StepInput):
+    if s.logits is None:  # the confidence head computed the negative entropy
+        return s.x0, _top_quota(s.conf, s.masked, s.quota)
     x0 = sample(s.logits, s.temperature, s.generator)
     logp = s.logits.float().log_softmax(-1)
     neg_entropy = (logp.exp() * logp).nan_to_num(0.0).sum(-1)
@@ -163,8 +167,17 @@ def make_credit(tau: float, decay: float, boost: float, alpha: float) -> Callabl
 
 
 SCHEDULED = ("low_confidence", "random", "maskgit_plus", "topk_margin", "entropy")
-STATS_ONLY = ("low_confidence", "maskgit_plus", "threshold", "factor", "hierarchical")
-"""Rules that, when greedy, need only each position's argmax and its probability."""
+SCORE_KIND = {
+    "low_confidence": "max",
+    "maskgit_plus": "max",
+    "threshold": "max",
+    "factor": "max",
+    "hierarchical": "max",
+    "topk_margin": "margin",
+    "entropy": "entropy",
+}
+"""Rules that, when greedy, need only each position's argmax and one score (the confidence head's kind)."""
+STATS_ONLY = tuple(SCORE_KIND)
 
 
 def build(params) -> Callable[[StepInput], tuple[torch.Tensor, torch.Tensor]]:

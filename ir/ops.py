@@ -486,14 +486,22 @@ def _infer_confidence(ts, attrs):
 
 
 @_register("confidence", 1)(_infer_confidence)
-def confidence(logits: torch.Tensor, *, banned: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(max probability, argmax) over the vocabulary with token ``banned`` (the mask) excluded;
-    probabilities in fp32 (f64 when validating)."""
+def confidence(logits: torch.Tensor, *, banned: int, kind: str = "max") -> tuple[torch.Tensor, torch.Tensor]:
+    """(score, argmax) over the vocabulary with token ``banned`` (the mask) excluded, in fp32
+    (f64 when validating). ``kind``: "max" = top-1 probability, "margin" = top-1 minus top-2
+    probability, "entropy" = negative entropy sum p log p (larger = more certain)."""
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     z = logits.to(acc).clone()
     z[..., banned] = float("-inf")
-    conf, token = z.softmax(-1).max(-1)
-    return conf, token
+    p = z.softmax(-1)
+    top, token = p.max(-1)
+    if kind == "max":
+        return top, token
+    if kind == "margin":
+        return top - p.topk(2, dim=-1).values[..., 1], token
+    if kind == "entropy":
+        return (p * z.log_softmax(-1)).nan_to_num(0.0).sum(-1), token
+    raise OpTypeError(f"confidence: unknown kind {kind!r} (max, margin, entropy)")
 
 
 def _infer_lm_head_confidence(ts, attrs):
@@ -502,31 +510,55 @@ def _infer_lm_head_confidence(ts, attrs):
 
 
 @_register("lm_head_confidence", 2)(_infer_lm_head_confidence)
-def lm_head_confidence(h: torch.Tensor, weight: torch.Tensor, *, banned: int, chunk: int = 8192):
+def lm_head_confidence(h: torch.Tensor, weight: torch.Tensor, *, banned: int, kind: str = "max", chunk: int = 8192):
     """Fused LM head + confidence; reference semantics = its decomposition
     ``confidence(linear(h, weight))``. Backends implement it without building the
     [positions x vocab] probabilities (see the cpu backend's chunked kernel)."""
-    return confidence(linear(h, weight), banned=banned)
+    return confidence(linear(h, weight), banned=banned, kind=kind)
 
 
-def lm_head_confidence_chunked(h: torch.Tensor, weight: torch.Tensor, *, banned: int, chunk: int = 8192):
+def lm_head_confidence_chunked(
+    h: torch.Tensor, weight: torch.Tensor, *, banned: int, kind: str = "max", chunk: int = 8192
+):
     """Online-softmax kernel for ``lm_head_confidence``: one vocabulary chunk of logits at a time,
-    tracking the running max, the rescaled sum of exponentials and the argmax."""
+    tracking the running max m, Z = sum exp(z - m), the top-2 logits with the argmax, and
+    (for entropy) S = sum exp(z - m) * (z - m), since sum p log p = S / Z - log Z."""
     acc = torch.float64 if h.dtype == torch.float64 else torch.float32
     shape = h.shape[:-1]
-    run_max = torch.full(shape, float("-inf"), dtype=acc, device=h.device)
-    run_sum = torch.zeros(shape, dtype=acc, device=h.device)
+    neg = torch.full(shape, float("-inf"), dtype=acc, device=h.device)
+    m, top1, top2 = neg.clone(), neg.clone(), neg.clone()
+    z_sum = torch.zeros(shape, dtype=acc, device=h.device)
+    s_sum = torch.zeros(shape, dtype=acc, device=h.device)
     best = torch.zeros(shape, dtype=torch.int64, device=h.device)
+
+    def finite(t):
+        return torch.where(torch.isfinite(t), t, torch.zeros_like(t))
+
     for lo in range(0, weight.shape[0], chunk):
         z = F.linear(h, weight[lo : lo + chunk]).to(acc)
         if lo <= banned < lo + z.shape[-1]:
             z[..., banned - lo] = float("-inf")
-        cmax, carg = z.max(-1)
-        new_max = torch.maximum(run_max, cmax)
-        ref = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))  # all -inf so far
-        rescale = torch.where(torch.isfinite(run_max), torch.exp(run_max - ref), torch.zeros_like(ref))
-        run_sum = run_sum * rescale + torch.exp(z - ref[..., None]).sum(-1)
-        best = torch.where(cmax > run_max, carg + lo, best)
-        run_max = new_max
-    ref = torch.where(torch.isfinite(run_max), run_max, torch.zeros_like(run_max))
-    return torch.exp(run_max - ref) / run_sum, best  # max probability = exp(max) / sum(exp)
+        c2 = z.topk(min(2, z.shape[-1]), dim=-1)
+        cmax, carg = c2.values[..., 0], c2.indices[..., 0]
+        csecond = c2.values[..., 1] if z.shape[-1] > 1 else torch.full_like(cmax, float("-inf"))
+        new_m = torch.maximum(m, cmax)
+        ref = finite(new_m)
+        rescale = torch.where(torch.isfinite(m), torch.exp(m - ref), torch.zeros_like(ref))
+        e = torch.exp(z - ref[..., None])
+        if kind == "entropy":  # S = sum exp(z - ref) * (z - ref), carried across a change of ref
+            shift = torch.where(torch.isfinite(m), m - ref, torch.zeros_like(ref))
+            s_sum = rescale * (s_sum + shift * z_sum) + (e * finite(z - ref[..., None])).sum(-1)
+        z_sum = z_sum * rescale + e.sum(-1)
+        top2 = torch.maximum(torch.minimum(top1, cmax), torch.maximum(top2, csecond))
+        best = torch.where(cmax > top1, carg + lo, best)
+        top1 = torch.maximum(top1, cmax)
+        m = new_m
+    ref = finite(m)
+    p1 = torch.exp(top1 - ref) / z_sum
+    if kind == "max":
+        return p1, best
+    if kind == "margin":
+        return p1 - torch.exp(top2 - ref) / z_sum, best
+    if kind == "entropy":  # sum p log p = sum p (z - ref - log Z) = S / Z - log Z, no cancellation
+        return s_sum / z_sum - torch.log(z_sum), best
+    raise OpTypeError(f"lm_head_confidence: unknown kind {kind!r} (max, margin, entropy)")

@@ -111,7 +111,7 @@ def lm_head_confidence(graph: Graph, ctx) -> int:
         if len(lin.inputs) > 2 and lin.inputs[2] is not None:
             continue
         at = graph.nodes.index(node)
-        fused = new_node(graph, "lm_head_confidence", [caps["h"], caps["w"]], at, banned=node.attrs["banned"])
+        fused = new_node(graph, "lm_head_confidence", [caps["h"], caps["w"]], at, **node.attrs)
         for old, new in zip(node.outputs, fused.outputs):
             replace_uses(graph, old, new)
         remove(graph, [node, lin])

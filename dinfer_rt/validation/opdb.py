@@ -133,10 +133,38 @@ def cases(quick: bool = False) -> list[OpCase]:
         OpCase("index_tokens", "subset", lambda g: [_r(g, 2, 9, 24), torch.tensor([0, 3, 8])], float_inputs=(0,)),
         OpCase("confidence", "vocab-odd", lambda g: [_r(g, 2, 5, 1001, scale=3)], {"banned": 7}, float_inputs=(0,)),
         OpCase(
+            "confidence",
+            "margin",
+            lambda g: [_r(g, 2, 5, 301, scale=3)],
+            {"banned": 7, "kind": "margin"},
+            float_inputs=(0,),
+        ),
+        OpCase(
+            "confidence",
+            "entropy",
+            lambda g: [_r(g, 2, 5, 301, scale=3)],
+            {"banned": 7, "kind": "entropy"},
+            float_inputs=(0,),
+        ),
+        OpCase(
             "lm_head_confidence",
             "vocab-not-chunk-multiple",
             lambda g: [_r(g, 2, 5, 48), _r(g, 20011, 48)],
             {"banned": 17, "chunk": 4096},
+            float_inputs=(0, 1),
+        ),
+        OpCase(
+            "lm_head_confidence",
+            "entropy-chunked",
+            lambda g: [_r(g, 2, 5, 48), _r(g, 3001, 48)],
+            {"banned": 17, "chunk": 1000, "kind": "entropy"},
+            float_inputs=(0, 1),
+        ),
+        OpCase(
+            "lm_head_confidence",
+            "margin-chunked",
+            lambda g: [_r(g, 2, 5, 48), _r(g, 3001, 48)],
+            {"banned": 17, "chunk": 1000, "kind": "margin"},
             float_inputs=(0, 1),
         ),
     ]

@@ -215,8 +215,19 @@ def _confidence(b, ins, node):
     vocab = node.inputs[0].type.shape[-1]
     ban = np.zeros(vocab, dtype=np.float32)
     ban[node.attrs["banned"]] = -np.inf
-    probs = b.emit("Softmax", [b.emit("Add", [ins[0], b.const(ban, np.float32)])], axis=-1)
-    return [b.emit("ReduceMax", [probs, b.const([-1])], keepdims=0), b.emit("ArgMax", [probs], axis=-1, keepdims=0)]
+    z = b.emit("Add", [ins[0], b.const(ban, np.float32)])
+    probs = b.emit("Softmax", [z], axis=-1)
+    token = b.emit("ArgMax", [probs], axis=-1, keepdims=0)
+    kind = node.attrs.get("kind", "max")
+    if kind == "max":
+        return [b.emit("ReduceMax", [probs, b.const([-1])], keepdims=0), token]
+    if kind == "margin":
+        top2, _ = _topk(b, probs, 2)
+        first, second = b.slice_last(top2, 0, 1), b.slice_last(top2, 1, 2)
+        return [b.emit("Squeeze", [b.emit("Sub", [first, second]), b.const([-1])]), token]
+    plogp = b.emit("Mul", [probs, b.emit("LogSoftmax", [z], axis=-1)])
+    safe = b.emit("Where", [b.emit("Greater", [probs, b.const(0.0, np.float32)]), plogp, b.const(0.0, np.float32)])
+    return [b.emit("ReduceSum", [safe, b.const([-1])], keepdims=0), token]
 
 
 CONVERTERS = {
