@@ -81,12 +81,23 @@ class Backend:
 
         return default_pipeline() + plugin_passes(self.name)
 
+    def wants_fusion(self, pass_name: str) -> bool:
+        """Cost decision, kept apart from legality: whether a fusion this backend has a kernel
+        for is worth applying. Default: fuse whenever a native kernel exists."""
+        return True
+
+    def schedule_priority(self):
+        """Priority for the reordering pass (``(node, remaining_uses, bindings) -> float``, higher
+        runs first), e.g. to overlap copies; ``None`` uses the shared memory-min priority."""
+        return None
+
     def optimize(self, graph: Graph, weights: dict[str, torch.Tensor]) -> tuple[Graph, dict[str, int]]:
         """Run the pipeline on ``graph``; merged weights are added to ``weights`` once."""
         from dinfer_rt.passes import PassManager
 
         native = {op for op, (_, src) in self.kernel_table().items() if not src.startswith("fallback")}
-        return PassManager(self.passes(), native).run(graph, weights)
+        passes = [p for p in self.passes() if not p.needs_ops or self.wants_fusion(p.name)]
+        return PassManager(passes, native, priority=self.schedule_priority()).run(graph, weights)
 
     def default_launch_config(self, kernel: str) -> dict:
         """This backend's own launch/tuning table entry for ``kernel`` on ``self.arch``."""

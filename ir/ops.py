@@ -562,3 +562,81 @@ def lm_head_confidence_chunked(
     if kind == "entropy":  # sum p log p = sum p (z - ref - log Z) = S / Z - log Z, no cancellation
         return s_sum / z_sum - torch.log(z_sum), best
     raise OpTypeError(f"lm_head_confidence: unknown kind {kind!r} (max, margin, entropy)")
+
+
+# ---------------------------------------------------------------- attention with QK-norm and RoPE folded in
+
+
+def _infer_rope_attention(ts, attrs):
+    q, k, v, key_valid, token_index, positions, q_norm, k_norm, k_cache, v_cache = ts
+    _infer_rope([q, positions], attrs)
+    _infer_rope([k, positions], attrs)
+    for w, x in ((q_norm, q), (k_norm, k)):
+        if w is not None:
+            _infer_rms_norm([x, w], {"eps": attrs["eps"]})
+    _need((k_cache is None) == (v_cache is None), "rope_attention", "needs both caches or neither")
+    core = [q, k, v, key_valid, token_index] + ([k_cache, v_cache] if k_cache is not None else [])
+    return _infer_attention(core, attrs)
+
+
+@_register("rope_attention", 10, mutates=(8, 9))(_infer_rope_attention)
+def rope_attention(
+    q,
+    k,
+    v,
+    key_valid,
+    token_index,
+    positions,
+    q_norm,
+    k_norm,
+    k_cache,
+    v_cache,
+    *,
+    scale: float,
+    block_size: int | None,
+    theta: float,
+    rotary_dim: int,
+    eps: float,
+):
+    """Attention with per-head QK-norm (when the weights are given) and RoPE folded in; reference
+    semantics = rms_norm -> rope on q and k, then ``attention`` (cache splice included)."""
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps=eps), rms_norm(k, k_norm, eps=eps)
+    q = rope(q, positions, theta=theta, rotary_dim=rotary_dim)
+    k = rope(k, positions, theta=theta, rotary_dim=rotary_dim)
+    return attention(q, k, v, key_valid, token_index, k_cache, v_cache, scale=scale, block_size=block_size)
+
+
+# ---------------------------------------------------------------- MoE with routing folded in
+
+
+def _infer_moe_routed(ts, attrs):
+    x, router_w, bias, gate_up, down = ts
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    (logits,) = _infer_linear([x.with_dtype(acc), router_w], {})
+    router = attrs["router"]
+    if router == "softmax":
+        w, idx = OPS["router_softmax_topk"].infer([logits], attrs)
+    else:
+        w, idx = OPS["router_sigmoid_grouped"].infer([logits, bias], attrs)
+    return _infer_moe([x, w, idx, gate_up, down], {})
+
+
+_ROUTER_ATTRS = {
+    "softmax": ("k", "renormalize"),
+    "sigmoid_grouped": ("k", "n_group", "topk_group", "renormalize", "scale"),
+}
+
+
+@_register("moe_routed", 5)(_infer_moe_routed)
+def moe_routed(x, router_w, expert_bias, w_gate_up, w_down, *, router: str, **router_attrs):
+    """MoE block with routing folded in: fp32 router logits, softmax top-k or group-limited sigmoid
+    routing, then the chosen SwiGLU experts grouped by expert. Reference = the decomposition."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    logits = linear(x.to(acc), router_w)
+    attrs = {k: router_attrs[k] for k in _ROUTER_ATTRS[router]}
+    if router == "softmax":
+        w, idx = router_softmax_topk(logits, **attrs)
+    else:
+        w, idx = router_sigmoid_grouped(logits, expert_bias, **attrs)
+    return moe_experts(x, w, idx, w_gate_up, w_down)

@@ -200,3 +200,51 @@ def test_confidence_head_never_builds_the_probability_tensor():
     # The unfused graph holds the f32 logits while its confidence op builds f32 probabilities of the
     # same size (op workspace, simulated); the fused kernel holds one vocabulary chunk.
     assert peak_before - peak_after >= 32 * 126464 * 4
+
+
+def test_rope_fold_does_not_fire_when_a_rotated_value_escapes(ckpt_dir):
+    from dinfer_rt.lowering import lower
+    from dinfer_rt.spec import parse_spec
+
+    g = lower(parse_spec(ckpt_dir("llada_moe")), torch.float32)
+    first_rope = next(n for n in g.nodes if n.op == "rope")
+    g.output("peek", first_rope.outputs[0])  # another user of the rotated q of layer 0
+    assert rules.fold_rope_into_attention(g, PassContext({})) == 1  # only layer 1 folds
+    assert g.verify().op_counts()["rope_attention"] == 1
+
+
+def test_routing_fold_does_not_fire_when_router_weights_escape(ckpt_dir):
+    from dinfer_rt.lowering import lower
+    from dinfer_rt.spec import parse_spec
+
+    g = lower(parse_spec(ckpt_dir("llada2")), torch.float32)
+    router = next(n for n in g.nodes if n.op == "router_sigmoid_grouped")
+    g.output("weights", router.outputs[0])
+    assert rules.fold_routing_into_moe(g, PassContext({})) == 1  # the other MoE layer still folds
+    assert g.verify().op_counts()["moe_routed"] == 1
+
+
+def test_backend_cost_decision_and_priority(ckpt_dir):
+    from dinfer_rt.backends.cpu import CpuBackend
+
+    from dinfer_rt.lowering import lower
+    from dinfer_rt.spec import param_plan, parse_spec
+
+    seen = []
+
+    class Picky(CpuBackend):
+        def wants_fusion(self, pass_name):
+            return pass_name != "add_rms_norm"
+
+        def schedule_priority(self):
+            def reverse_original_order(node, uses, bindings):
+                seen.append(node.op)
+                return 0.0
+
+            return reverse_original_order
+
+    spec = parse_spec(ckpt_dir("llada"))
+    weights = {p.name: torch.zeros(p.shape) for p in param_plan(spec)}
+    graph, counts = Picky().optimize(lower(spec, torch.float32), weights)
+    assert "add_rms_norm" not in counts and counts["merge_gate_up"] == 2
+    assert seen  # the backend's priority drove the list scheduler

@@ -119,6 +119,89 @@ def lm_head_confidence(graph: Graph, ctx) -> int:
     return count
 
 
+def fold_rope_into_attention(graph: Graph, ctx) -> int:
+    """attention(rope(rms_norm?(q)), rope(rms_norm?(k)), ...) -> rope_attention(q, k, ...): QK-norm
+    and RoPE run inside the attention kernel (legal when the folded values have no other user and
+    q and k share positions and rotary parameters)."""
+    prod = producers(graph)
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "attention":
+            continue
+        uses = use_counts(graph)
+        parts = []
+        for v in node.inputs[:2]:
+            r = prod.get(id(v))
+            if r is None or r.op != "rope" or uses[id(v)] != 1:
+                break
+            n = prod.get(id(r.inputs[0]))
+            normed = n is not None and n.op == "rms_norm" and uses[id(r.inputs[0])] == 1
+            parts.append((r, n if normed else None))
+        if len(parts) != 2:
+            continue
+        (rq, nq), (rk, nk) = parts
+        if rq.inputs[1] is not rk.inputs[1] or rq.attrs != rk.attrs or (nq is None) != (nk is None):
+            continue
+        if nq is not None and nq.attrs != nk.attrs:
+            continue
+        q = nq.inputs[0] if nq else rq.inputs[0]
+        k = nk.inputs[0] if nk else rk.inputs[0]
+        norms = [nq.inputs[1], nk.inputs[1]] if nq else [None, None]
+        caches = list(node.inputs[5:7]) + [None] * (2 - len(node.inputs[5:7]))
+        at = graph.nodes.index(node)
+        eps = nq.attrs["eps"] if nq else 1e-6
+        fused = new_node(
+            graph,
+            "rope_attention",
+            [q, k, *node.inputs[2:5], rq.inputs[1], *norms, *caches],
+            at,
+            **node.attrs,
+            **rq.attrs,
+            eps=eps,
+        )
+        for old, new in zip(node.outputs, fused.outputs):
+            replace_uses(graph, old, new)
+        remove(graph, [node, rq, rk] + [n for n in (nq, nk) if n is not None])
+        prod = producers(graph)
+        count += 1
+    return count
+
+
+def fold_routing_into_moe(graph: Graph, ctx) -> int:
+    """moe_experts(x, router(linear(cast(x), Wr)), ...) -> moe_routed(x, Wr, ...): routing and
+    expert grouping in one op (legal when the router's outputs feed only this MoE)."""
+    prod = producers(graph)
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "moe_experts":
+            continue
+        x, w, idx = node.inputs[:3]
+        router = prod.get(id(w))
+        if (
+            router is None
+            or router.op not in ("router_softmax_topk", "router_sigmoid_grouped")
+            or prod.get(id(idx)) is not router
+        ):
+            continue
+        caps = match(P("linear", P("cast", P(name="x")), P(name="wr", kind="param")), router.inputs[0], prod)
+        uses = use_counts(graph)
+        if caps is None or caps["x"] is not x or uses[id(w)] != 1 or uses[id(idx)] != 1:
+            continue
+        lin = prod[id(router.inputs[0])]
+        cast = prod[id(lin.inputs[0])]
+        if uses[id(lin.outputs[0])] != 1 or uses[id(cast.outputs[0])] != 1:
+            continue
+        kind = "softmax" if router.op == "router_softmax_topk" else "sigmoid_grouped"
+        bias = router.inputs[1] if kind == "sigmoid_grouped" else None
+        at = graph.nodes.index(node)
+        fused = new_node(graph, "moe_routed", [x, caps["wr"], bias, *node.inputs[3:5]], at, router=kind, **router.attrs)
+        replace_uses(graph, node.outputs[0], fused.outputs[0])
+        remove(graph, [node, router, lin, cast])
+        prod = producers(graph)
+        count += 1
+    return count
+
+
 def concat_type(values) -> TensorType:
     first = values[0].type
     return TensorType((sum(v.type.shape[0] for v in values), *first.shape[1:]), first.dtype)

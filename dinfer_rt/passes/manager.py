@@ -30,6 +30,7 @@ class PassContext:
     weights: MutableMapping[str, torch.Tensor]
     counts: dict[str, int] = field(default_factory=dict)
     reports: dict[str, object] = field(default_factory=dict)  # e.g. peak bytes before/after reordering
+    priority: Callable | None = None  # the backend's scheduling priority, if it supplies one
 
     def derive_concat(self, graph: Graph, values: list[Value]) -> Value:
         name = "|".join(v.name for v in values)
@@ -49,13 +50,18 @@ def default_pipeline() -> list[Pass]:
         Pass("merge_projections", "fusion", fusion.merge_projections, needs_ops=("split",)),
         Pass("add_rms_norm", "fusion", fusion.add_rms_norm, needs_ops=("add_rms_norm",)),
         Pass("lm_head_confidence", "fusion", fusion.lm_head_confidence, needs_ops=("lm_head_confidence",)),
+        Pass("fold_rope_into_attention", "fusion", fusion.fold_rope_into_attention, needs_ops=("rope_attention",)),
+        Pass("fold_routing_into_moe", "fusion", fusion.fold_routing_into_moe, needs_ops=("moe_routed",)),
         Pass("dce_after_fusion", "cleanup", cleanup.dead_code),
         Pass("reorder_memory", "schedule", schedule.reorder),
     ]
 
 
 class PassManager:
-    def __init__(self, passes: list[Pass], native_ops: set[str] | None = None) -> None:
+    def __init__(
+        self, passes: list[Pass], native_ops: set[str] | None = None, priority: Callable | None = None
+    ) -> None:
+        self.priority = priority
         disabled = {p.strip() for p in (envs.get(envs.DINFER_DISABLE_PASSES) or "").split(",") if p.strip()}
         known = {p.name for p in passes}
         unknown = disabled - known
@@ -73,7 +79,7 @@ class PassManager:
         ]
 
     def run(self, graph: Graph, weights: MutableMapping[str, torch.Tensor]) -> tuple[Graph, dict[str, int]]:
-        ctx = PassContext(weights)
+        ctx = PassContext(weights, priority=self.priority)
         dump = envs.get(envs.DINFER_DUMP_IR)
         if dump:
             Path(dump).mkdir(parents=True, exist_ok=True)

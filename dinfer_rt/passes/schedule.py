@@ -130,8 +130,10 @@ def list_schedule(
     return order
 
 
-def reorder(graph: Graph, ctx, priority: Priority = memory_min) -> int:
-    """Pass: adopt the list schedule when its simulated peak is lower; report both peaks."""
+def reorder(graph: Graph, ctx, priority: Priority | None = None) -> int:
+    """Pass: adopt the list schedule when its simulated peak is lower; report both peaks. The
+    priority is the argument, else the backend's (``ctx.priority``), else memory-min."""
+    priority = priority or getattr(ctx, "priority", None) or memory_min
     identity = list(range(len(graph.nodes)))
     order = list_schedule(graph, priority)
     before, after = peak_bytes(graph, identity), peak_bytes(graph, order)

@@ -167,6 +167,36 @@ def cases(quick: bool = False) -> list[OpCase]:
             {"banned": 17, "chunk": 1000, "kind": "margin"},
             float_inputs=(0, 1),
         ),
+        OpCase(
+            "rope_attention",
+            "qknorm-partial-cache",
+            _rope_attention_inputs(True, True),
+            {"scale": 0.25, "block_size": None, "theta": 600000.0, "rotary_dim": 8, "eps": 1e-6},
+            float_inputs=(0, 1, 2, 6, 7, 8, 9),
+        ),
+        OpCase(
+            "rope_attention",
+            "plain-blockcausal",
+            _rope_attention_inputs(False, False),
+            {"scale": 0.25, "block_size": 4, "theta": 10000.0, "rotary_dim": 16, "eps": 1e-6},
+            float_inputs=(0, 1, 2),
+        ),
+        OpCase(
+            "moe_routed",
+            "softmax-e6k2",
+            _moe_routed_inputs(False),
+            {"router": "softmax", "k": 2, "renormalize": False},
+            float_inputs=(0, 3, 4),
+            keep_fp32_inputs=(1,),
+        ),
+        OpCase(
+            "moe_routed",
+            "sigmoid-grouped-e8",
+            _moe_routed_inputs(True),
+            {"router": "sigmoid_grouped", "k": 3, "n_group": 4, "topk_group": 2, "renormalize": True, "scale": 2.5},
+            float_inputs=(0, 3, 4),
+            keep_fp32_inputs=(1, 2),
+        ),
     ]
     if not quick:
         return c
@@ -185,3 +215,35 @@ def _moe_inputs(g):
         torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(10)]).view(2, 5, 2),
     )
     return [x, w, idx, _r(g, 6, 2 * 12, 24, scale=0.2), _r(g, 6, 24, 12, scale=0.3)]
+
+
+def _rope_attention_inputs(norms: bool, cached: bool):
+    def build(g):
+        b, t, s, h, kv, d = 2, 4, 9, 4, 2, 16
+        ins = [
+            _r(g, b, t, h, d),
+            _r(g, b, t, kv, d),
+            _r(g, b, t, kv, d),
+            torch.ones(b, s if cached else t, dtype=torch.bool),
+            torch.arange(s - t, s) if cached else torch.arange(t),
+            (torch.arange(s - t, s) if cached else torch.arange(t)).expand(b, t),
+        ]
+        ins += [1 + 0.1 * _r(g, d), 1 + 0.1 * _r(g, d)] if norms else [None, None]
+        ins += [_r(g, b, s, kv, d), _r(g, b, s, kv, d)] if cached else [None, None]
+        return ins
+
+    return build
+
+
+def _moe_routed_inputs(grouped: bool):
+    def build(g):
+        e = 8 if grouped else 6
+        return [
+            _r(g, 2, 5, 24),
+            _r(g, e, 24, scale=0.3),
+            0.1 * _r(g, e) if grouped else None,
+            _r(g, e, 2 * 12, 24, scale=0.2),
+            _r(g, e, 24, 12, scale=0.3),
+        ]
+
+    return build

@@ -21,13 +21,18 @@ def attention_ignores_padding(q, k, v, key_valid, token_index, k_cache=None, v_c
     )
 
 
+FUSED_OPS = {"add_rms_norm", "swiglu", "lm_head_confidence", "rope_attention", "moe_routed"}
+
+
 def _faulty(name, op, kernel):
     class Faulty(CpuBackend):
         flavour = "faulty"
         priority = -5
 
         def kernels(self):
-            return {**super().kernels(), op: kernel}
+            # A port without fused kernels: no fusion applies, so the faulty unfused kernel runs in the model.
+            unfused = {k: v for k, v in super().kernels().items() if k not in FUSED_OPS}
+            return {**unfused, op: kernel}
 
     Faulty.name = name
     return Faulty
