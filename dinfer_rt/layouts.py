@@ -59,3 +59,18 @@ def llada_config(
     }
     cfg.update(extra)
     return cfg
+
+
+LLADA_8B = llada_config(
+    d_model=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=32,
+    mlp=12288,
+    vocab=126464,
+    rope_theta=500000.0,
+    max_len=4096,
+    mask_id=126336,
+    eos_id=126081,
+)
+"""GSAI-ML/LLaDA-8B-Instruct's config.json (models.md §1.1): for shape-only analysis, no weights."""

@@ -166,28 +166,13 @@ def test_confidence_head_never_builds_the_probability_tensor():
     """An LLaDA-8B-shaped denoising step (block of 32 masked positions, vocab 126,464), weights on
     the meta device: fusing the LM head with the confidence reduction lowers the simulated peak by
     at least the float32 [32 x 126464] tensor the unfused graph materialises."""
-    import json
-    import tempfile
-
+    from dinfer_rt.layouts import LLADA_8B
     from dinfer_rt.lowering import lower
     from dinfer_rt.passes import schedule
     from dinfer_rt.plugins import select_backend
     from dinfer_rt.spec import param_plan, parse_spec
 
-    cfg = {
-        "architectures": ["LLaDAModelLM"],
-        "model_type": "llada",
-        "d_model": 4096,
-        "n_layers": 32,
-        "n_heads": 32,
-        "n_kv_heads": 32,
-        "mlp_hidden_size": 12288,
-        "vocab_size": 126464,
-        "max_sequence_length": 4096,
-    }
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "config.json").write_text(json.dumps(cfg))
-        spec = parse_spec(Path(d))
+    spec = parse_spec(Path("LLaDA-8B"), LLADA_8B)  # config only: no files, no weights
     weights = {p.name: torch.empty(p.shape, device="meta") for p in param_plan(spec)}  # nothing allocated
     bind = {"B": 1, "T": 32, "S": 1024, "M": 32}
     before = lower(spec, torch.float32, cached=True, head="confidence", mask_id=126336)
@@ -248,3 +233,16 @@ def test_backend_cost_decision_and_priority(ckpt_dir):
     graph, counts = Picky().optimize(lower(spec, torch.float32), weights)
     assert "add_rms_norm" not in counts and counts["merge_gate_up"] == 2
     assert seen  # the backend's priority drove the list scheduler
+
+
+def test_confidence_fusion_does_not_fire_when_logits_escape(ckpt_dir):
+    from dinfer_rt.lowering import lower
+    from dinfer_rt.spec import parse_spec
+
+    g = lower(parse_spec(ckpt_dir("llada")), torch.float32, head="confidence", mask_id=5)
+    conf = next(n for n in g.nodes if n.op == "confidence")
+    g.output("logits", conf.inputs[0])  # someone still wants the full logits
+    assert rules.lm_head_confidence(g, PassContext({})) == 0
+    g.outputs.pop("logits")
+    assert rules.lm_head_confidence(g, PassContext({})) == 1
+    assert g.verify().op_counts()["lm_head_confidence"] == 1
