@@ -1,8 +1,9 @@
 """The shared diffusion scheduler: semi-autoregressive blocks, decision rules, KV-cache policies.
 
 One loop serves every backend: the model is only asked for logits at chosen positions
-(``Model.forward(..., cache=, compute=)``); the cache buffers live in the runtime and the
-attention op splices fresh K/V into them in place.
+(``Model.forward(..., cache=, compute=)``), or, for greedy rules that need only each masked
+position's argmax and one score, for the fused confidence head (``Model.confidence``); the
+cache buffers live in the runtime and the attention op splices fresh K/V into them in place.
 
 Cache policies (``decoding.md`` §2.4-2.5, §6.6):
   none      every step recomputes the whole sequence
