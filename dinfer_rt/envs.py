@@ -16,6 +16,8 @@ DINFER_DUMP_IR = "DINFER_DUMP_IR"
 """A folder: the graph is written there after lowering and after every pass."""
 DINFER_DISABLE_PASSES = "DINFER_DISABLE_PASSES"
 """Comma-separated pass names to skip (bisection of a miscompile)."""
+DINFER_INTERPRET = "DINFER_INTERPRET"
+"""``1``: the ``cuda`` backend runs its Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``."""
 DINFER_MODEL = "DINFER_MODEL"
 """Default model folder for the CLI and ``LLM()``; unset means the embedded model."""
 
@@ -28,6 +30,13 @@ ALL = (
     DINFER_DISABLE_PASSES,
     DINFER_MODEL,
 )
+
+
+def _interpret_triton_early() -> None:
+    """Triton reads TRITON_INTERPRET when ``triton.language`` is first imported, so DINFER_INTERPRET=1
+    must be mirrored into it before anything imports triton: done when dinfer_rt is imported."""
+    if (os.environ.get(DINFER_INTERPRET) or "0").strip().lower() in ("1", "true", "yes", "on"):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def get(name: str) -> str | None:
@@ -47,3 +56,6 @@ def plugin_allowlist() -> set[str] | None:
 def snapshot() -> dict[str, str]:
     """All ``DINFER_*`` variables currently set (for reports and ``dinfer-rt env``)."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("DINFER_")}
+
+
+_interpret_triton_early()

@@ -1,3 +1,9 @@
+import os
+
+# No GPU in the test environment: Triton kernels run in its interpreter, which must be chosen
+# before triton is first imported (see dinfer_rt.envs).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 

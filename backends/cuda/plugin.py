@@ -1,11 +1,25 @@
-"""Entry point of the ``cuda`` backend (group ``dinfer_rt.backends``)."""
+"""Entry point of the ``cuda`` backend (group ``dinfer_rt.backends``).
+
+``DINFER_INTERPRET=1`` runs the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``:
+how every kernel is checked on machines without a GPU.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+from collections.abc import Mapping
+
 import torch
 
+from dinfer_rt import envs
 from dinfer_rt.backend import Availability, Backend, Capabilities
+from dinfer_rt.executor import Kernel
 from dinfer_rt.plugins import hookimpl
+
+
+def interpreting() -> bool:
+    return envs.flag(envs.DINFER_INTERPRET)
 
 
 class CudaBackend(Backend):
@@ -15,7 +29,15 @@ class CudaBackend(Backend):
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     priority = 30
 
+    def __init__(self) -> None:
+        if interpreting():
+            self.device_type, self.arch = "cpu", "interpret"
+
     def is_available(self) -> Availability:
+        if importlib.util.find_spec("triton") is None:
+            return Availability(False, "triton is not installed (pip install 'dinfer-rt[triton]')")
+        if interpreting():
+            return Availability(True, "DINFER_INTERPRET=1: Triton kernels run on CPU tensors (TRITON_INTERPRET=1)")
         if torch.version.hip is not None:
             return Availability(False, f"torch {torch.__version__} is a HIP build: use rocm_dcu")
         if torch.version.cuda is None:
@@ -25,7 +47,32 @@ class CudaBackend(Backend):
         return Availability(True, f"{torch.cuda.device_count()} CUDA device(s), CUDA {torch.version.cuda}")
 
     def capabilities(self) -> Capabilities:
+        if interpreting():  # Triton's interpreter reads bfloat16 CPU tensors as garbage (numpy has no bf16)
+            return Capabilities(dtypes=(torch.float32, torch.float16), warp_size=32)
         return Capabilities(dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64), warp_size=32)
+
+    def kernels(self) -> Mapping[str, Kernel]:
+        if importlib.util.find_spec("triton") is None:
+            return {}
+        if interpreting():
+            os.environ["TRITON_INTERPRET"] = "1"  # read by triton.jit when the kernels module is imported
+            import triton.language as tl
+
+            if type(tl.sum).__name__ != "InterpretedFunction":
+                from dinfer_rt.errors import BackendError
+
+                raise BackendError(
+                    "cuda: DINFER_INTERPRET=1 but triton was imported before TRITON_INTERPRET=1 was set; "
+                    "set DINFER_INTERPRET=1 (or TRITON_INTERPRET=1) in the environment before starting Python"
+                )
+        from dinfer_rt.backends.cuda.ops import make_kernels
+
+        return make_kernels(self.arch, self.launch_config)
+
+    def default_launch_config(self, kernel: str) -> dict:
+        from dinfer_rt.backends.cuda.launch import default_config
+
+        return default_config(kernel, self.arch)
 
     def versions(self) -> dict[str, str]:
         v = {"torch": torch.__version__, "cuda": str(torch.version.cuda)}
