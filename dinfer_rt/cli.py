@@ -132,6 +132,31 @@ def cmd_validate(a: argparse.Namespace) -> int:
     return 0 if report["verdict"] == "pass" else 1
 
 
+def cmd_kernels(a: argparse.Namespace) -> int:
+    """Compile every cuda Triton kernel for a target, ahead of time, and report resources."""
+    import os
+
+    from dinfer_rt.errors import BackendError
+
+    if os.environ.get("TRITON_INTERPRET") == "1" or envs.flag(envs.DINFER_INTERPRET):
+        raise BackendError(
+            "kernels compile needs real Triton JIT functions: unset TRITON_INTERPRET and DINFER_INTERPRET"
+        )
+    from dinfer_rt.backends.cuda.aot import compile_all
+
+    rows = compile_all(a.target)
+    if a.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{'kernel':14} {'target':12} {'warps':5} {'registers':9} {'spills (st/ld B)':16} shared B")
+    for r in rows:
+        spills = f"{r['spill_stores']}/{r['spill_loads']}"
+        print(
+            f"{r['kernel']:14} {r['target']:12} {r['num_warps']:<5} {r['registers']:<9} {spills:16} {r['shared_bytes']}"
+        )
+    return 0
+
+
 def cmd_ir(a: argparse.Namespace) -> int:
     from dinfer_rt.dtypes import resolve_dtype
     from dinfer_rt.loader import default_model_path
@@ -252,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--json", default=None, help="write the JSON report here")
     val.add_argument("--markdown", default=None, help="write the Markdown report here")
     val.set_defaults(func=cmd_validate)
+    kern = sub.add_parser("kernels", help="ahead-of-time kernel builds")
+    ksub = kern.add_subparsers(dest="kernels_command", required=True)
+    kc = ksub.add_parser("compile", help="compile every cuda Triton kernel for a target (no GPU needed)")
+    kc.add_argument("--target", required=True, help="cuda:sm_80 or cuda:sm_90")
+    kc.add_argument("--json", action="store_true")
+    kc.set_defaults(func=cmd_kernels)
     i = sub.add_parser("ir", help="print the IR graph of a model (from its config.json)")
     i.add_argument("--model", type=Path, default=None)
     i.add_argument("--dtype", default=None)

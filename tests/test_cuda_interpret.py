@@ -95,3 +95,41 @@ def test_cuda_without_gpu_or_interpreter_is_a_clean_error(monkeypatch):
 def test_bfloat16_is_refused_in_interpreter_mode(cuda, ckpt_dir):
     with pytest.raises(dinfer_rt.DinferError, match="backend cuda does not support dtype torch.bfloat16"):
         dinfer_rt.load_model(ckpt_dir("llada"), backend="cuda", dtype="bfloat16")
+
+
+@pytest.mark.parametrize("target", ["cuda:sm_80", "cuda:sm_90"])
+def test_every_kernel_compiles_ahead_of_time_without_spills(target):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DINFER_INTERPRET")}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    r = subprocess.run(
+        [sys.executable, "-m", "dinfer_rt", "kernels", "compile", "--target", target, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout)
+    assert {row["kernel"] for row in rows} == {"rms_norm", "add_rms_norm", "swiglu", "rope"}
+    assert all(row["registers"] and row["spill_stores"] == 0 and row["spill_loads"] == 0 for row in rows), rows
+
+
+def test_unknown_compile_target_is_a_clean_error():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DINFER_INTERPRET")}
+    r = subprocess.run(
+        [sys.executable, "-m", "dinfer_rt", "kernels", "compile", "--target", "cuda:sm_75"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 2 and "unknown kernel target 'cuda:sm_75'; supported: cuda:sm_80, cuda:sm_90" in r.stderr
