@@ -168,3 +168,36 @@ def test_launch_config_hook_overrides_the_backends_table(fake_plugins):
     chip.arch = "v2"
     assert chip.launch_config("rms_norm") == {"block_size": 256, "num_stages": 2, "num_warps": 8}
     assert chip.launch_config("silu") == {}
+
+
+def test_ascend_with_the_real_torch_npu_wheel_and_no_cann(tmp_path):
+    """The real torch_npu wheel (matching torch) installed beside the environment, without CANN:
+    `import torch_npu` fails on libhccl.so, torch does not auto-import it through dinfer-rt, and
+    `dinfer-rt backends` names exactly that reason instead of crashing."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    version = torch.__version__.split("+")[0]
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path), f"torch-npu=={version}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"torch-npu=={version} could not be installed here: {r.stderr[-300:]}")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+    bare = subprocess.run(
+        [sys.executable, "-c", "import torch_npu"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert bare.returncode != 0 and "libhccl.so" in bare.stderr
+    listed = subprocess.run(
+        [sys.executable, "-m", "dinfer_rt", "backends"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    ascend = next(line for line in listed.stdout.splitlines() if line.startswith("ascend"))
+    assert "torch_npu is installed but cannot import without CANN: libhccl.so not found" in ascend

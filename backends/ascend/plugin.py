@@ -56,6 +56,13 @@ class AscendBackend(Backend):
     def capabilities(self) -> Capabilities:
         return Capabilities(dtypes=(torch.float32, torch.bfloat16, torch.float16), alignment_bytes=32)
 
+    def kernels(self):
+        """No torch_npu fused operators yet: every op runs through the reference fallback on NPU
+        tensors. Importing torch_npu here (after selection, once) registers the ``npu`` device."""
+        import torch_npu  # noqa: F401
+
+        return {}
+
     def versions(self) -> dict[str, str]:
         from importlib.metadata import PackageNotFoundError, version
 
