@@ -63,6 +63,20 @@ def test_rope_kernel_full_and_partial(cuda, dtype, head_dim, rotary):
     torch.testing.assert_close(got[..., rotary:], x[..., rotary:], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", ["max", "margin", "entropy"])
+def test_lm_head_confidence_kernel(cuda, dtype, kind):
+    """Vocabulary chunks of 64 with a vocab that is not a multiple of it, hidden not a multiple of
+    the K block; the reference is the float64 decomposition (logits, softmax, reduction)."""
+    g = torch.Generator().manual_seed(len(kind))
+    h = torch.randn(3, 7, 40, generator=g).to(dtype)
+    w = (torch.randn(1001, 40, generator=g) * 0.3).to(dtype)
+    score, token = cuda.kernels()["lm_head_confidence"](h, w, banned=5, kind=kind)
+    want, want_token = ops.lm_head_confidence(h.double(), w.double(), banned=5, kind=kind)
+    assert rel(score, want) <= (1e-5 if dtype == torch.float32 else 5e-3)
+    assert (token == want_token).float().mean() >= (1.0 if dtype == torch.float32 else 0.95)
+
+
 def test_kernels_and_fallbacks_are_shown(cuda, ckpt_dir, capsys):
     from dinfer_rt.cli import main
 
@@ -81,6 +95,8 @@ def test_embedded_model_same_greedy_output_as_cpu(cuda):
     llm = dinfer_rt.LLM(backend="cuda")
     assert llm.model.executable(False).fallbacks["rms_norm"] == 0  # the Triton kernel, not the fallback
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    confidence_graph = llm.model.executable(False, head="confidence").graph
+    assert confidence_graph.op_counts().get("lm_head_confidence") == 1  # the Triton fused head ran
 
 
 def test_cuda_without_gpu_or_interpreter_is_a_clean_error(monkeypatch):
@@ -115,7 +131,7 @@ def test_every_kernel_compiles_ahead_of_time_without_spills(target):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(r.stdout)
-    assert {row["kernel"] for row in rows} == {"rms_norm", "add_rms_norm", "swiglu", "rope"}
+    assert {row["kernel"] for row in rows} == {"rms_norm", "add_rms_norm", "swiglu", "rope", "lm_head_confidence"}
     assert all(row["registers"] and row["spill_stores"] == 0 and row["spill_loads"] == 0 for row in rows), rows
 
 

@@ -65,6 +65,21 @@ def _specs(arch: str) -> list[tuple[str, dict, dict, int]]:
             {"ROWS": rope["ROWS"], "HALF": 64, "REST": 0},
             4,
         ),
+        (
+            "lm_head_confidence_kernel",
+            {
+                "h_ptr": bf16,
+                "w_ptr": bf16,
+                "score_ptr": "*fp32",
+                "token_ptr": "*i64",
+                "n_rows": "i32",
+                "hidden": "i32",
+                "vocab": "i32",
+                "banned": "i32",
+            },
+            {"KIND": 0, "BLOCK_M": 16, "BLOCK_V": 64, "BLOCK_K": 32, "PRECISION": "tf32"},
+            4,
+        ),
     ]
 
 

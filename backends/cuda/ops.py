@@ -13,7 +13,7 @@ from dinfer_rt.backends.cuda.launch import row_config
 
 def make_kernels(arch: str | None, launch_config: Callable[[str], dict]) -> dict[str, Callable]:
     """IR op -> wrapper. ``launch_config(kernel)`` (table + plugin overrides) is read once here."""
-    tuned = {name: launch_config(name) for name in ("rms_norm", "add_rms_norm", "swiglu", "rope")}
+    tuned = {name: launch_config(name) for name in ("rms_norm", "add_rms_norm", "swiglu", "rope", "lm_head_confidence")}
 
     def row(name: str, n: int) -> dict:
         return {**row_config(n, arch), **tuned[name]}
@@ -68,4 +68,24 @@ def make_kernels(arch: str | None, launch_config: Callable[[str], dict]) -> dict
         )
         return y
 
-    return {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "swiglu": swiglu, "rope": rope}
+    def lm_head_confidence(h, weight, *, banned, kind="max", chunk=8192):
+        hc, wc = h.contiguous(), weight.contiguous()
+        hidden, vocab = hc.shape[-1], wc.shape[0]
+        rows = hc.numel() // hidden
+        score = torch.empty(hc.shape[:-1], dtype=torch.float32, device=hc.device)
+        token = torch.empty(hc.shape[:-1], dtype=torch.int64, device=hc.device)
+        cfg = {"BLOCK_M": 16, "BLOCK_V": 64, "BLOCK_K": 32, **tuned["lm_head_confidence"]}
+        kind_id = {"max": 0, "margin": 1, "entropy": 2}[kind]
+        precision = "ieee" if hc.dtype == torch.float32 else "tf32"  # ignored for 16-bit inputs
+        k.lm_head_confidence_kernel[(triton.cdiv(rows, cfg["BLOCK_M"]),)](
+            hc, wc, score, token, rows, hidden, vocab, banned, KIND=kind_id, PRECISION=precision, **cfg
+        )
+        return score, token
+
+    return {
+        "rms_norm": rms_norm,
+        "add_rms_norm": add_rms_norm,
+        "swiglu": swiglu,
+        "rope": rope,
+        "lm_head_confidence": lm_head_confidence,
+    }
