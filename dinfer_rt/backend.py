@@ -53,6 +53,10 @@ class Backend:
     def capabilities(self) -> Capabilities:
         return Capabilities(dtypes=(torch.float32,))
 
+    def validate_choice(self) -> str | None:
+        """Why the flavour/arch named in the choice (``name:flavour:arch``) is invalid, or None."""
+        return None
+
     def kernels(self) -> Mapping[str, Kernel]:
         """IR op name -> kernel callable with the op's reference signature (none by default:
         compiling a graph then fails naming the first op without a kernel)."""

@@ -193,6 +193,8 @@ def select_backend(choice: str | None = None) -> Backend:
         backend.flavour = flavour
     if arch:
         backend.arch = arch
+    if (bad := backend.validate_choice()) is not None:
+        raise BackendError(f"{bad} (from {_source(choice)})")
     a = availability(type(backend))
     if not a:
         raise BackendError(

@@ -13,6 +13,25 @@ import triton.language as tl
 
 
 @triton.jit
+def _narrow(x, dtype: tl.constexpr):
+    """fp32 -> ``dtype`` rounding to nearest even (the GPU default; the interpreter truncates
+    fp32 -> bf16 unless told)."""
+    if dtype.primitive_bitwidth < 32:
+        return x.to(dtype, fp_downcast_rounding="rtne")
+    return x.to(dtype)
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """fp32 -> ``dtype`` -> fp32: the rounding a low-precision intermediate gets in the reference.
+
+    All arithmetic here runs on fp32 values: loads are widened first and stores narrow through
+    ``_narrow``. That is what the GPU does for 16-bit math anyway, and the only form Triton's
+    interpreter gets right for bfloat16 (it computes on bf16's raw uint16 bits otherwise)."""
+    return _narrow(x, dtype).to(tl.float32)
+
+
+@triton.jit
 def _tile(n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.arange(0, BLOCK)
@@ -26,7 +45,7 @@ def rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_cols, eps, ROWS: tl.constexpr
     x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
     y = x * tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)[:, None]
     w = tl.load(w_ptr + c, mask=cm, other=0.0)
-    tl.store(y_ptr + offs, y.to(w.dtype) * w[None, :], mask=m)
+    tl.store(y_ptr + offs, _narrow(_round(y, w.dtype) * w.to(tl.float32)[None, :], w.dtype), mask=m)
 
 
 @triton.jit
@@ -34,12 +53,12 @@ def add_rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, n_rows, n_cols, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr
 ):
     offs, m, c, cm = _tile(n_rows, n_cols, ROWS, BLOCK)
-    s = tl.load(x_ptr + offs, mask=m, other=0.0) + tl.load(r_ptr + offs, mask=m, other=0.0)
-    tl.store(s_ptr + offs, s, mask=m)
-    f = s.to(tl.float32)
-    y = f * tl.rsqrt(tl.sum(f * f, axis=1) / n_cols + eps)[:, None]
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    s = _round(x.to(tl.float32) + tl.load(r_ptr + offs, mask=m, other=0.0).to(tl.float32), x.dtype)
+    tl.store(s_ptr + offs, _narrow(s, x.dtype), mask=m)
+    y = s * tl.rsqrt(tl.sum(s * s, axis=1) / n_cols + eps)[:, None]
     w = tl.load(w_ptr + c, mask=cm, other=0.0)
-    tl.store(y_ptr + offs, y.to(w.dtype) * w[None, :], mask=m)
+    tl.store(y_ptr + offs, _narrow(_round(y, w.dtype) * w.to(tl.float32)[None, :], w.dtype), mask=m)
 
 
 @triton.jit
@@ -50,7 +69,8 @@ def swiglu_kernel(h_ptr, y_ptr, n_rows, inter, ROWS: tl.constexpr, BLOCK: tl.con
     gate = tl.load(h_ptr + r[:, None] * 2 * inter + c[None, :], mask=m, other=0.0)
     up = tl.load(h_ptr + r[:, None] * 2 * inter + inter + c[None, :], mask=m, other=0.0)
     g = gate.to(tl.float32)
-    tl.store(y_ptr + r[:, None] * inter + c[None, :], (g / (1.0 + tl.exp(-g))).to(gate.dtype) * up, mask=m)
+    y = _round(g / (1.0 + tl.exp(-g)), gate.dtype) * up.to(tl.float32)
+    tl.store(y_ptr + r[:, None] * inter + c[None, :], _narrow(y, gate.dtype), mask=m)
 
 
 @triton.jit
@@ -80,8 +100,8 @@ def rope_kernel(
     x1 = tl.load(x_ptr + base + j[None, :], mask=m, other=0.0)
     x2 = tl.load(x_ptr + base + half + j[None, :], mask=m, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(y_ptr + base + j[None, :], (a * cos - b * sin).to(x1.dtype), mask=m)
-    tl.store(y_ptr + base + half + j[None, :], (b * cos + a * sin).to(x1.dtype), mask=m)
+    tl.store(y_ptr + base + j[None, :], _narrow(a * cos - b * sin, x1.dtype), mask=m)
+    tl.store(y_ptr + base + half + j[None, :], _narrow(b * cos + a * sin, x1.dtype), mask=m)
     if REST > 0:
         k = tl.arange(0, REST)
         km = rm[:, None] & (k < head_dim - 2 * half)[None, :]
@@ -103,12 +123,13 @@ def lm_head_confidence_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     """Fused LM head + confidence for BLOCK_M rows: logits are built one [BLOCK_M, BLOCK_V] chunk
     at a time (never the [rows x vocab] tensor) with an online softmax carrying the running max m,
     Z = sum exp(z - m), the top-2 logits with the argmax and, for entropy, S = sum exp(z - m)(z - m).
-    KIND: 0 = max probability, 1 = margin (top-1 minus top-2 probability), 2 = negative entropy."""
+    KIND: 0 = max probability, 1 = margin (top-1 minus top-2 probability), 2 = negative entropy.
+    DOT_F32 widens the tiles before the dot (interpreter only; see ``_round``)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < n_rows
     neg = float("-inf")
@@ -127,7 +148,9 @@ def lm_head_confidence_kernel(
             kmask = ks < hidden
             h = tl.load(h_ptr + rows[:, None] * hidden + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(w_ptr + cols[None, :] * hidden + ks[:, None], mask=vmask[None, :] & kmask[:, None], other=0.0)
-            acc += tl.dot(h, w, input_precision=PRECISION)  # "ieee" for fp32: no silent TF32
+            if DOT_F32:  # the interpreter (see _round); exact: 16-bit products are exact in fp32
+                h, w = h.to(tl.float32), w.to(tl.float32)
+            acc += tl.dot(h, w, input_precision="ieee")  # "ieee": fp32 stays fp32 (no silent TF32); 16-bit ignores it
         z = tl.where(vmask[None, :] & (cols[None, :] != banned), acc, neg)
         cmax = tl.max(z, axis=1)
         carg = tl.argmax(z, axis=1).to(tl.int64) + v0
@@ -155,3 +178,258 @@ def lm_head_confidence_kernel(
         score = s_sum / z_sum - tl.log(z_sum)
     tl.store(score_ptr + rows, score, mask=rmask)
     tl.store(token_ptr + rows, best, mask=rmask)
+
+
+@triton.jit
+def attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    key_valid_ptr,
+    first_block_ptr,
+    q_pos_ptr,
+    k_pos_ptr,
+    n_q,
+    n_k,
+    heads,
+    groups,
+    head_dim,
+    scale,
+    block_size,
+    k_stride_b,
+    k_stride_s,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_CAUSAL: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """Flash-style attention for one (batch, query head, BLOCK_M queries): keys stream through in
+    BLOCK_N tiles with an online softmax (fp32 running max, denominator and numerator), never a
+    [T, S] score matrix. GQA reads kv head head // groups. Masks: ``key_valid`` [B, S] (padding)
+    and, with BLOCK_CAUSAL, key block <= query block on absolute positions. A query that may see
+    no key attends to every key (the reference's rule against NaN): ``first_block`` [B] is the
+    lowest block holding a valid key (huge when none), so such "blind" rows are known up front
+    and the sweep stays single. P is rounded to V's dtype before P @ V, as the tensor cores take
+    it. q/o are contiguous [B, T, H, D]; k/v are [B, S, KV, D] with the given batch/sequence
+    strides, so a KV cache is read in place."""
+    neg = float("-inf")
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    rmask, dmask = rows < n_q, d < head_dim
+    io = (b * n_q + rows[:, None]) * heads * head_dim + h * head_dim + d[None, :]
+    iomask = rmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + io, mask=iomask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    q_block = tl.load(q_pos_ptr + rows, mask=rmask, other=0).to(tl.int32) // block_size  # 32-bit: cheap division
+    blind = tl.load(first_block_ptr + b) > q_block.to(tl.int64)  # [BLOCK_M]: sees every key
+    kv_base = b * k_stride_b + (h // groups) * head_dim
+    m_i = tl.full((BLOCK_M,), neg, tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for n0 in range(0, n_k, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        cmask = cols < n_k
+        kv_off = kv_base + cols[:, None] * k_stride_s + d[None, :]
+        kv_mask = cmask[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        allowed = (tl.load(key_valid_ptr + b * n_k + cols, mask=cmask, other=0) != 0)[None, :]
+        if BLOCK_CAUSAL:
+            k_block = tl.load(k_pos_ptr + cols, mask=cmask, other=0).to(tl.int32) // block_size
+            allowed = allowed & (k_block[None, :] <= q_block[:, None])
+        s = tl.where((allowed | blind[:, None]) & cmask[None, :], s, neg)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        ref = tl.where(m_new == neg, 0.0, m_new)
+        alpha = tl.where(m_i == neg, 0.0, tl.exp(m_i - ref))
+        p = tl.exp(s - ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pv = _narrow(p, v.dtype)
+        if DOT_F32:
+            pv, v = pv.to(tl.float32), v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(o_ptr + io, _narrow(out, o_ptr.dtype.element_ty), mask=iomask)
+
+
+@triton.jit
+def _take_top(score, cols, K: tl.constexpr, KP: tl.constexpr):
+    """The K best entries of each row of ``score`` [R, E] (ties: lowest index), by K rounds of
+    max + argmax: returns their column indices [R, KP] (slots >= K hold 0) and the row's
+    mask of chosen columns [R, E]."""
+    neg = float("-inf")
+    slots = tl.arange(0, KP)
+    picked = tl.zeros((score.shape[0], KP), tl.int32)
+    chosen = score != score  # all False, right shape
+    for j in tl.static_range(K):
+        best = tl.max(score, axis=1)
+        arg = tl.min(tl.where(score == best[:, None], cols[None, :], score.shape[1]), axis=1)
+        picked = tl.where(slots[None, :] == j, arg[:, None], picked)
+        hit = cols[None, :] == arg[:, None]
+        chosen = chosen | hit
+        score = tl.where(hit, neg, score)
+    return picked, chosen
+
+
+@triton.jit
+def router_kernel(
+    logits_ptr,
+    bias_ptr,
+    w_ptr,
+    idx_ptr,
+    n_rows,
+    n_experts,
+    scale,
+    SIGMOID: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    GROUPS: tl.constexpr,
+    GP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """MoE routing for ROWS tokens from fp32 router logits [N, E]. Softmax: top-k of the softmax
+    (LLaDA-MoE). SIGMOID (LLaDA2): sigmoid scores, selection on score + bias restricted to the
+    TOPK_GROUP groups with the best top-2 sums, weights = the unbiased scores; then optional
+    renormalisation and ``scale``. Writes weights [N, K] fp32 and expert ids [N, K] int64."""
+    neg = float("-inf")
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    e = tl.arange(0, BLOCK_E)
+    rm, em = r < n_rows, e < n_experts
+    z = tl.load(logits_ptr + r[:, None] * n_experts + e[None, :], mask=rm[:, None] & em[None, :], other=neg)
+    if SIGMOID:
+        s = tl.where(em[None, :], 1.0 / (1.0 + tl.exp(-z)), 0.0)
+        sel = tl.where(em[None, :], s + tl.load(bias_ptr + e, mask=em, other=0.0)[None, :], neg)
+        if GROUPS > 1:
+            per = n_experts // GROUPS
+            grp = e // per
+            gids = tl.arange(0, GP)  # GROUPS padded to a power of two
+            gscore = tl.full((ROWS, GP), neg, tl.float32)
+            for g in tl.static_range(GROUPS):  # sum of the top-2 biased scores of group g
+                in_g = (grp == g)[None, :] & em[None, :]
+                v = tl.where(in_g, sel, neg)
+                top = tl.max(v, axis=1)
+                first = tl.min(tl.where(v == top[:, None], e[None, :], BLOCK_E), axis=1)
+                second = tl.max(tl.where(e[None, :] == first[:, None], neg, v), axis=1)
+                total = top + tl.where(per > 1, second, 0.0)
+                gscore = tl.where(gids[None, :] == g, total[:, None], gscore)
+            _, keep = _take_top(gscore, gids, TOPK_GROUP, GP)
+            kept = tl.zeros((ROWS, BLOCK_E), tl.int32) > 0
+            for g in tl.static_range(GROUPS):
+                on = tl.sum(tl.where(gids[None, :] == g, keep.to(tl.int32), 0), axis=1) > 0
+                kept = kept | (on[:, None] & (grp == g)[None, :])
+            sel = tl.where(kept, sel, neg)
+        idx, chosen = _take_top(sel, e, K, KP)
+        weights = s
+    else:
+        m = tl.max(z, axis=1)
+        p = tl.exp(z - m[:, None])
+        weights = p / tl.sum(p, axis=1)[:, None]
+        idx, chosen = _take_top(tl.where(em[None, :], weights, neg), e, K, KP)
+    slots = tl.arange(0, KP)
+    w = tl.zeros((ROWS, KP), tl.float32)
+    for j in tl.static_range(K):  # gather weights[row, idx[row, j]]
+        idx_j = tl.sum(tl.where(slots[None, :] == j, idx, 0), axis=1)
+        pick = tl.sum(tl.where(e[None, :] == idx_j[:, None], weights, 0.0), axis=1)
+        w = tl.where(slots[None, :] == j, pick[:, None], w)
+    if RENORMALIZE:
+        w = w / tl.sum(w, axis=1)[:, None]
+    if SIGMOID:
+        w = w * scale
+    out = r[:, None] * K + slots[None, :]
+    om = rm[:, None] & (slots < K)[None, :]
+    tl.store(w_ptr + out, w, mask=om)
+    tl.store(idx_ptr + out, idx.to(tl.int64), mask=om)
+
+
+@triton.jit
+def moe_gate_up_kernel(
+    x_ptr,
+    wgu_ptr,
+    h_ptr,
+    tok_ptr,
+    tile_expert_ptr,
+    hidden,
+    inter,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """Grouped gate/up GEMM with the SwiGLU epilogue. Rows are expert-sorted token slots padded so
+    that every BLOCK_M tile belongs to one expert (``tile_expert``, -1: empty tile); ``tok`` maps
+    a row to its token (-1: padding). h[row] = silu(x W_gate^T) * (x W_up^T) with the reference's
+    dtype roundings, for columns pid(1) * BLOCK_N ..."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(tile_expert_ptr + pid_m)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = tl.load(tok_ptr + rows)
+    rmask = tok >= 0  # rows of an empty tile (expert -1) are all padding
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < inter
+    w_base = wgu_ptr + tl.maximum(expert, 0).to(tl.int64) * 2 * inter * hidden
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        km = ks < hidden
+        x = tl.load(x_ptr + tok[:, None].to(tl.int64) * hidden + ks[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        wmask = km[:, None] & cmask[None, :]
+        wg = tl.load(w_base + cols[None, :] * hidden + ks[:, None], mask=wmask, other=0.0)
+        wu = tl.load(w_base + (inter + cols[None, :]) * hidden + ks[:, None], mask=wmask, other=0.0)
+        if DOT_F32:
+            x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+        acc_g += tl.dot(x, wg, input_precision="ieee")
+        acc_u += tl.dot(x, wu, input_precision="ieee")
+    dtype = h_ptr.dtype.element_ty
+    g, u = _round(acc_g, dtype), _round(acc_u, dtype)
+    h = _round(g / (1.0 + tl.exp(-g)), dtype) * u
+    tl.store(h_ptr + rows[:, None] * inter + cols[None, :], _narrow(h, dtype), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def moe_down_kernel(
+    h_ptr,
+    wd_ptr,
+    y_ptr,
+    tok_ptr,
+    row_weight_ptr,
+    tile_expert_ptr,
+    hidden,
+    inter,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """Grouped down GEMM: y[row] = round(h[row] W_down[e]^T) * routing weight, in fp32 (the
+    reference accumulates experts in fp32; the finalize step sums each token's rows)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(tile_expert_ptr + pid_m)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = tl.load(tok_ptr + rows) >= 0
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < hidden
+    w_base = wd_ptr + tl.maximum(expert, 0).to(tl.int64) * hidden * inter
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        km = ks < inter
+        h = tl.load(h_ptr + rows[:, None] * inter + ks[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        w = tl.load(w_base + cols[None, :] * inter + ks[:, None], mask=km[:, None] & cmask[None, :], other=0.0)
+        if DOT_F32:
+            h, w = h.to(tl.float32), w.to(tl.float32)
+        acc += tl.dot(h, w, input_precision="ieee")
+    wt = tl.load(row_weight_ptr + rows, mask=rmask, other=0.0)
+    y = _round(acc, h_ptr.dtype.element_ty) * wt[:, None]
+    tl.store(y_ptr + rows[:, None] * hidden + cols[None, :], y, mask=rmask[:, None] & cmask[None, :])

@@ -1,16 +1,37 @@
-"""Launch configuration for the ``cuda`` Triton kernels, kept apart from the kernel source;
-plugins override entries through the ``dinfer_rt_launch_config`` hook."""
+"""Launch configuration for the shared Triton kernels, kept apart from the kernel source.
+
+A *tuning row* is plain data per architecture (this file's ``ARCH_TABLE`` for NVIDIA; the
+``rocm_dcu`` backend ships its own rows for 64-wide wavefronts). The functions here turn a row
+and a problem size into launch parameters; plugins override entries through the
+``dinfer_rt_launch_config`` hook.
+"""
 
 from __future__ import annotations
 
 import triton
 
-# rows per program (the interpreter runs one Python step per program, so it wants big tiles),
-# warps per 4096 columns, and the column block of elementwise kernels.
+# rows: rows per program for row-wise kernels (the interpreter runs one Python step per program,
+# so it wants big tiles); warps_per_4k: warps per 4096 columns; elementwise_block: column block;
+# attn_*: flash-attention tiles and warps; gemm_*: tiles of the LM-head and grouped MoE GEMMs;
+# router_elems: elements per routing tile.
+_GPU = {
+    "rows": 1,
+    "warps_per_4k": 8,
+    "max_warps": 16,
+    "elementwise_block": 1024,
+    "attn_m": 64,
+    "attn_n": 64,
+    "attn_warps": 4,
+    "gemm_m": 16,
+    "gemm_n": 64,
+    "gemm_k": 32,
+    "gemm_warps": 4,
+    "router_elems": 512,  # router tile (rows x padded experts): top-k keeps several copies live
+}
 ARCH_TABLE = {
-    "sm_80": {"rows": 1, "warps_per_4k": 8, "elementwise_block": 1024},
-    "sm_90": {"rows": 1, "warps_per_4k": 8, "elementwise_block": 1024},
-    "interpret": {"rows": 256, "warps_per_4k": 1, "elementwise_block": 2048},
+    "sm_80": dict(_GPU, attn_warps=8),  # 4 warps spill 204 B in attention (ptxas, head_dim 128)
+    "sm_90": dict(_GPU, attn_warps=8),
+    "interpret": dict(_GPU, rows=256, warps_per_4k=1, elementwise_block=2048, attn_warps=1, gemm_warps=1, router_elems=2**16),
 }
 
 
@@ -18,18 +39,32 @@ def table(arch: str | None) -> dict:
     return ARCH_TABLE.get(arch or "sm_90", ARCH_TABLE["sm_90"])
 
 
-def row_config(n_cols: int, arch: str | None) -> dict:
+def row_config(n_cols: int, t: dict) -> dict:
     """A block covering a whole row (norms reduce over it) and warps that grow with it."""
-    t = table(arch)
     block = triton.next_power_of_2(n_cols)
     rows = max(1, min(t["rows"], 2**20 // block))  # a tile must stay under Triton's 2**20 elements
-    return {"ROWS": rows, "BLOCK": block, "num_warps": max(1, min(16, t["warps_per_4k"] * block // 4096))}
+    return {"ROWS": rows, "BLOCK": block, "num_warps": max(1, min(t["max_warps"], t["warps_per_4k"] * block // 4096))}
 
 
-def default_config(kernel: str, arch: str | None) -> dict:
-    t = table(arch)
+def attention_config(n_queries: int, head_dim: int, t: dict) -> dict:
+    """Query/key tiles (at least 16: tl.dot's minimum); the head dim is padded to a power of two."""
+    return {
+        "BLOCK_M": max(16, min(t["attn_m"], triton.next_power_of_2(n_queries))),
+        "BLOCK_N": t["attn_n"],
+        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+        "num_warps": t["attn_warps"],
+    }
+
+
+def default_config(kernel: str, t: dict) -> dict:
+    """Size-independent launch parameters of ``kernel`` from tuning row ``t``."""
     if kernel == "swiglu":  # a tile must stay under Triton's 2**20 elements
         return {"ROWS": min(t["rows"], 2**20 // t["elementwise_block"]), "BLOCK": t["elementwise_block"]}
     if kernel == "rope":
-        return {"ROWS": max(t["rows"], 4) if arch == "interpret" else 4}
+        return {"ROWS": max(t["rows"], 4)}
+    if kernel == "router":
+        return {"ROWS": max(t["rows"], 16) if t["rows"] > 1 else 16}
+    if kernel in ("lm_head_confidence", "moe"):
+        head = {"BLOCK_V": t["gemm_n"]} if kernel == "lm_head_confidence" else {"BLOCK_N": t["gemm_n"]}
+        return {"BLOCK_M": t["gemm_m"], "BLOCK_K": t["gemm_k"], "num_warps": t["gemm_warps"], **head}
     return {}

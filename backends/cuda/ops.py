@@ -7,23 +7,43 @@ from collections.abc import Callable
 
 import torch
 import triton
-from dinfer_rt.backends.cuda import kernels as k
-from dinfer_rt.backends.cuda.launch import row_config
+from dinfer_rt.ir import ops
+from dinfer_rt.backends.cuda import kernels as kern
+from dinfer_rt.backends.cuda.launch import attention_config, row_config
 
 
-def make_kernels(arch: str | None, launch_config: Callable[[str], dict]) -> dict[str, Callable]:
-    """IR op -> wrapper. ``launch_config(kernel)`` (table + plugin overrides) is read once here."""
-    tuned = {name: launch_config(name) for name in ("rms_norm", "add_rms_norm", "swiglu", "rope", "lm_head_confidence")}
+KERNELS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "lm_head_confidence", "attention", "router", "moe")
+
+
+def _need_inner_contiguous(op: str, *tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+            raise ValueError(f"cuda {op}: K/V must have contiguous [heads, head_dim] rows, got strides {t.stride()}")
+
+
+def first_allowed_block(key_valid: torch.Tensor, key_pos: torch.Tensor, block_size: int | None) -> torch.Tensor:
+    """[B] lowest block (of ``block_size`` positions; 1 without block-causal) holding a valid
+    key; a huge value when a row has none. A query whose block is below it sees no key."""
+    none = torch.iinfo(torch.int64).max // 2
+    first = torch.where(key_valid, key_pos[None, :], none).amin(-1)
+    return torch.where(first == none, none, first // (block_size or 1)).contiguous()
+
+
+def make_kernels(tuning: dict, interpret: bool, launch_config: Callable[[str], dict]) -> dict[str, Callable]:
+    """IR op -> wrapper for one architecture's tuning row. ``launch_config(kernel)`` (the row's
+    defaults + plugin overrides) is read once here, not per call. ``interpret``: the kernels run
+    under Triton's interpreter (16-bit dot tiles are widened to fp32 there, see kernels._round)."""
+    tuned = {name: launch_config(name) for name in KERNELS}
 
     def row(name: str, n: int) -> dict:
-        return {**row_config(n, arch), **tuned[name]}
+        return {**row_config(n, tuning), **tuned[name]}
 
     def rms_norm(x, weight, *, eps):
         xc = x.contiguous()
         n = xc.shape[-1]
         rows, y = xc.numel() // n, torch.empty_like(xc)
         cfg = row("rms_norm", n)
-        k.rms_norm_kernel[(triton.cdiv(rows, cfg["ROWS"]),)](xc, weight, y, rows, n, eps, **cfg)
+        kern.rms_norm_kernel[(triton.cdiv(rows, cfg["ROWS"]),)](xc, weight, y, rows, n, eps, **cfg)
         return y
 
     def add_rms_norm(x, residual, weight, *, eps):
@@ -31,7 +51,7 @@ def make_kernels(arch: str | None, launch_config: Callable[[str], dict]) -> dict
         n = xc.shape[-1]
         rows, y, s = xc.numel() // n, torch.empty_like(xc), torch.empty_like(xc)
         cfg = row("add_rms_norm", n)
-        k.add_rms_norm_kernel[(triton.cdiv(rows, cfg["ROWS"]),)](xc, rc, weight, y, s, rows, n, eps, **cfg)
+        kern.add_rms_norm_kernel[(triton.cdiv(rows, cfg["ROWS"]),)](xc, rc, weight, y, s, rows, n, eps, **cfg)
         return y, s
 
     def swiglu(h):
@@ -41,7 +61,7 @@ def make_kernels(arch: str | None, launch_config: Callable[[str], dict]) -> dict
         y = torch.empty((*hc.shape[:-1], inter), dtype=hc.dtype, device=hc.device)
         cfg = tuned["swiglu"]
         grid = (triton.cdiv(rows, cfg["ROWS"]), triton.cdiv(inter, cfg["BLOCK"]))
-        k.swiglu_kernel[grid](hc, y, rows, inter, **cfg)
+        kern.swiglu_kernel[grid](hc, y, rows, inter, **cfg)
         return y
 
     def rope(x, positions, *, theta, rotary_dim):
@@ -53,7 +73,7 @@ def make_kernels(arch: str | None, launch_config: Callable[[str], dict]) -> dict
         rows = b * t * heads
         rest = triton.next_power_of_2(d - rotary_dim) if d > rotary_dim else 0
         cfg = tuned["rope"]
-        k.rope_kernel[(triton.cdiv(rows, cfg["ROWS"]),)](
+        kern.rope_kernel[(triton.cdiv(rows, cfg["ROWS"]),)](
             xc,
             positions.contiguous(),
             inv,
@@ -74,15 +94,141 @@ def make_kernels(arch: str | None, launch_config: Callable[[str], dict]) -> dict
         rows = hc.numel() // hidden
         score = torch.empty(hc.shape[:-1], dtype=torch.float32, device=hc.device)
         token = torch.empty(hc.shape[:-1], dtype=torch.int64, device=hc.device)
-        cfg = {"BLOCK_M": 16, "BLOCK_V": 64, "BLOCK_K": 32, **tuned["lm_head_confidence"]}
+        cfg = tuned["lm_head_confidence"]
         kind_id = {"max": 0, "margin": 1, "entropy": 2}[kind]
-        precision = "ieee" if hc.dtype == torch.float32 else "tf32"  # ignored for 16-bit inputs
-        k.lm_head_confidence_kernel[(triton.cdiv(rows, cfg["BLOCK_M"]),)](
-            hc, wc, score, token, rows, hidden, vocab, banned, KIND=kind_id, PRECISION=precision, **cfg
+        kern.lm_head_confidence_kernel[(triton.cdiv(rows, cfg["BLOCK_M"]),)](
+            hc, wc, score, token, rows, hidden, vocab, banned, KIND=kind_id, DOT_F32=interpret, **cfg
         )
         return score, token
 
+    def attention(q, k, v, key_valid, token_index, k_cache=None, v_cache=None, *, scale, block_size=None):
+        qc = q.contiguous()
+        if k_cache is not None:  # splice this forward's K/V into the cache, then attend over it in place
+            k_cache.index_copy_(1, token_index, k)
+            v_cache.index_copy_(1, token_index, v)
+            keys, values = k_cache, v_cache
+            key_pos = torch.arange(keys.shape[1], device=q.device)
+        else:
+            keys, values, key_pos = k.contiguous(), v.contiguous(), token_index
+        _need_inner_contiguous("attention", keys, values)
+        b, t, heads, d = qc.shape
+        out = torch.empty_like(qc)
+        cfg = {**attention_config(t, d, tuning), **tuned["attention"]}
+        grid = (triton.cdiv(t, cfg["BLOCK_M"]), b * heads)
+        kern.attention_kernel[grid](
+            qc,
+            keys,
+            values,
+            out,
+            key_valid.contiguous(),
+            first_allowed_block(key_valid, key_pos, block_size),
+            token_index.contiguous(),
+            key_pos.contiguous(),
+            t,
+            keys.shape[1],
+            heads,
+            heads // keys.shape[2],
+            d,
+            scale,
+            block_size or 1,
+            keys.stride(0),
+            keys.stride(1),
+            BLOCK_CAUSAL=block_size is not None,
+            DOT_F32=interpret,
+            **cfg,
+        )
+        if k_cache is not None:
+            return out, k_cache, v_cache
+        return out
+
+    def rope_attention(
+        q, k, v, key_valid, token_index, positions, q_norm, k_norm, k_cache, v_cache, *, scale, block_size, theta,
+        rotary_dim, eps,
+    ):
+        """QK-norm and RoPE through their Triton kernels, then the flash kernel (3 launches per
+        tensor instead of the reference's decomposition)."""
+        if q_norm is not None:
+            q, k = rms_norm(q, q_norm, eps=eps), rms_norm(k, k_norm, eps=eps)
+        q = rope(q, positions, theta=theta, rotary_dim=rotary_dim)
+        k = rope(k, positions, theta=theta, rotary_dim=rotary_dim)
+        return attention(q, k, v, key_valid, token_index, k_cache, v_cache, scale=scale, block_size=block_size)
+
+    def router(logits, bias, *, k, renormalize, sigmoid, n_group=1, topk_group=1, scale=1.0):
+        lc = logits.float().contiguous()  # fp32 router logits, as the reference
+        n_exp = lc.shape[-1]
+        rows = lc.numel() // n_exp
+        w = torch.empty((*lc.shape[:-1], k), dtype=torch.float32, device=lc.device)
+        idx = torch.empty((*lc.shape[:-1], k), dtype=torch.int64, device=lc.device)
+        block_e = triton.next_power_of_2(n_exp)
+        cfg = {**tuned["router"], "ROWS": max(1, min(tuned["router"]["ROWS"], tuning["router_elems"] // block_e))}
+        kern.router_kernel[(triton.cdiv(rows, cfg["ROWS"]),)](
+            lc, lc if bias is None else bias.float().contiguous(), w, idx, rows, n_exp, float(scale),
+            SIGMOID=sigmoid, K=k, KP=triton.next_power_of_2(k), GROUPS=n_group, GP=triton.next_power_of_2(n_group), TOPK_GROUP=topk_group,
+            RENORMALIZE=renormalize, BLOCK_E=block_e, **cfg,
+        )  # fmt: skip
+        return w, idx
+
+    def router_softmax_topk(logits, *, k, renormalize):
+        return router(logits, None, k=k, renormalize=renormalize, sigmoid=False)
+
+    def router_sigmoid_grouped(logits, bias, *, k, n_group, topk_group, renormalize, scale):
+        return router(
+            logits, bias, k=k, renormalize=renormalize, sigmoid=True, n_group=n_group, topk_group=topk_group, scale=scale
+        )
+
+    def moe_experts(x, weights, indices, w_gate_up, w_down):
+        """Expert-sorted slots padded per expert to whole tiles, built on the device with no host
+        sync (the padded length is a static bound); two grouped GEMMs; a gather-sum finalize."""
+        hidden, inter, n_exp = x.shape[-1], w_down.shape[-1], w_down.shape[0]
+        flat = x.reshape(-1, hidden).contiguous()
+        idx = indices.reshape(flat.shape[0], -1)
+        n, top = idx.shape
+        cfg = tuned["moe"]
+        bm = cfg["BLOCK_M"]
+        slot_expert = idx.reshape(-1)
+        counts = torch.bincount(slot_expert, minlength=n_exp)
+        padded = (counts + bm - 1) // bm * bm
+        padded_end = padded.cumsum(0)
+        order = torch.argsort(slot_expert, stable=True)
+        sorted_expert = slot_expert[order]
+        first = (counts.cumsum(0) - counts)[sorted_expert]
+        rank = torch.arange(order.numel(), device=x.device) - first
+        pos_sorted = (padded_end - padded)[sorted_expert] + rank
+        n_pad = triton.cdiv(n * top + n_exp * (bm - 1), bm) * bm
+        tok = torch.full((n_pad,), -1, dtype=torch.int32, device=x.device)
+        tok[pos_sorted] = (order // top).to(torch.int32)
+        row_weight = torch.zeros(n_pad, dtype=torch.float32, device=x.device)
+        row_weight[pos_sorted] = weights.reshape(-1)[order].float()
+        slot_row = torch.empty_like(order)
+        slot_row[order] = pos_sorted
+        tiles = torch.arange(n_pad // bm, device=x.device) * bm
+        tile_expert = torch.searchsorted(padded_end, tiles, right=True).to(torch.int32)
+        tile_expert = torch.where(tile_expert < n_exp, tile_expert, -1)
+        common = {"DOT_F32": interpret}
+        h = torch.empty((n_pad, inter), dtype=x.dtype, device=x.device)
+        grid = (n_pad // bm, triton.cdiv(inter, cfg["BLOCK_N"]))
+        kern.moe_gate_up_kernel[grid](flat, w_gate_up.contiguous(), h, tok, tile_expert, hidden, inter, **cfg, **common)
+        y = torch.empty((n_pad, hidden), dtype=torch.float32, device=x.device)
+        grid = (n_pad // bm, triton.cdiv(hidden, cfg["BLOCK_N"]))
+        kern.moe_down_kernel[grid](h, w_down.contiguous(), y, tok, row_weight, tile_expert, hidden, inter, **cfg, **common)
+        return y[slot_row.view(n, top)].sum(1).to(x.dtype).reshape(x.shape)
+
+    def moe_routed(x, router_w, expert_bias, w_gate_up, w_down, *, router, **router_attrs):
+        logits = ops.linear(x.to(torch.float32), router_w)
+        if router == "softmax":
+            w, idx = router_softmax_topk(logits, k=router_attrs["k"], renormalize=router_attrs["renormalize"])
+        else:
+            keys = ("k", "n_group", "topk_group", "renormalize", "scale")
+            w, idx = router_sigmoid_grouped(logits, expert_bias, **{key: router_attrs[key] for key in keys})
+        return moe_experts(x, w, idx, w_gate_up, w_down)
+
     return {
+        "router_softmax_topk": router_softmax_topk,
+        "router_sigmoid_grouped": router_sigmoid_grouped,
+        "moe_experts": moe_experts,
+        "moe_routed": moe_routed,
+        "attention": attention,
+        "rope_attention": rope_attention,
         "rms_norm": rms_norm,
         "add_rms_norm": add_rms_norm,
         "swiglu": swiglu,

@@ -22,6 +22,35 @@ def interpreting() -> bool:
     return envs.flag(envs.DINFER_INTERPRET)
 
 
+def triton_kernels(backend: str, tuning: dict, launch_config) -> Mapping[str, Kernel]:
+    """The shared Triton kernels for one tuning row (cuda and rocm_dcu), or none without triton.
+    In interpreter mode, checks that triton was imported after TRITON_INTERPRET=1 was set."""
+    if importlib.util.find_spec("triton") is None:
+        return {}
+    if interpreting():
+        os.environ["TRITON_INTERPRET"] = "1"  # read by triton.jit when the kernels module is imported
+        import triton.language as tl
+
+        if type(tl.sum).__name__ != "InterpretedFunction":
+            from dinfer_rt.errors import BackendError
+
+            raise BackendError(
+                f"{backend}: DINFER_INTERPRET=1 but triton was imported before TRITON_INTERPRET=1 was set; "
+                "set DINFER_INTERPRET=1 (or TRITON_INTERPRET=1) in the environment before starting Python"
+            )
+    from dinfer_rt.backends.cuda.ops import make_kernels
+
+    return make_kernels(tuning, interpreting(), launch_config)
+
+
+def triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "not installed"
+    return triton.__version__
+
+
 class CudaBackend(Backend):
     name = "cuda"
     flavour = "nvidia"
@@ -47,42 +76,28 @@ class CudaBackend(Backend):
         return Availability(True, f"{torch.cuda.device_count()} CUDA device(s), CUDA {torch.version.cuda}")
 
     def capabilities(self) -> Capabilities:
-        if interpreting():  # Triton's interpreter reads bfloat16 CPU tensors as garbage (numpy has no bf16)
-            return Capabilities(dtypes=(torch.float32, torch.float16), warp_size=32)
-        return Capabilities(dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64), warp_size=32)
+        # no float64: the kernels accumulate in fp32, so they could not honour it
+        return Capabilities(dtypes=(torch.float32, torch.bfloat16, torch.float16), warp_size=32)
 
     def kernels(self) -> Mapping[str, Kernel]:
-        if importlib.util.find_spec("triton") is None:
-            return {}
-        if interpreting():
-            os.environ["TRITON_INTERPRET"] = "1"  # read by triton.jit when the kernels module is imported
-            import triton.language as tl
+        if self.arch is None and not interpreting() and torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            self.arch = f"sm_{major}{minor}"
+        return triton_kernels(self.name, self.tuning(), self.launch_config)
 
-            if type(tl.sum).__name__ != "InterpretedFunction":
-                from dinfer_rt.errors import BackendError
+    def tuning(self) -> dict:
+        """This arch's tuning row (unknown archs get the sm_90 row)."""
+        from dinfer_rt.backends.cuda.launch import table
 
-                raise BackendError(
-                    "cuda: DINFER_INTERPRET=1 but triton was imported before TRITON_INTERPRET=1 was set; "
-                    "set DINFER_INTERPRET=1 (or TRITON_INTERPRET=1) in the environment before starting Python"
-                )
-        from dinfer_rt.backends.cuda.ops import make_kernels
-
-        return make_kernels(self.arch, self.launch_config)
+        return table(self.arch)
 
     def default_launch_config(self, kernel: str) -> dict:
         from dinfer_rt.backends.cuda.launch import default_config
 
-        return default_config(kernel, self.arch)
+        return default_config(kernel, self.tuning())
 
     def versions(self) -> dict[str, str]:
-        v = {"torch": torch.__version__, "cuda": str(torch.version.cuda)}
-        try:
-            import triton
-
-            v["triton"] = triton.__version__
-        except ImportError:
-            v["triton"] = "not installed"
-        return v
+        return {"torch": torch.__version__, "cuda": str(torch.version.cuda), "triton": triton_version()}
 
 
 @hookimpl

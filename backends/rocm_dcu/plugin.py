@@ -1,36 +1,112 @@
-"""Entry point of the ``rocm_dcu`` backend. Detection follows hardware.md §5.4: the HIP build
-is recognised by ``torch.version.hip`` (an attribute read), the vendor by ``hy-smi`` (Hygon)
-versus ``rocm-smi`` (AMD); device properties are read only after selection."""
+"""Entry point of the ``rocm_dcu`` backend: Hygon DCUs (DTK) and AMD Instinct GPUs through HIP.
+
+Chosen as ``DINFER_BACKEND=rocm_dcu[:hygon|:amd[:gfxNNN]]``. The probe (``is_available``) reads
+``torch.version.hip`` only; the flavour and arch are identified after selection from the device
+properties (see ``detect.py``), unless the choice names them. Kernel source is shared with
+``cuda``; this backend owns the capability records and wave64 tuning rows (``tuning.py``).
+``DINFER_INTERPRET=1`` runs the kernels with this arch's tuning under Triton's interpreter.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+from collections.abc import Mapping
 
 import torch
 
 from dinfer_rt.backend import Availability, Backend, Capabilities
+from dinfer_rt.backends.cuda.plugin import interpreting, triton_kernels, triton_version
+from dinfer_rt.backends.rocm_dcu import detect, tuning
+from dinfer_rt.executor import Kernel
 from dinfer_rt.plugins import hookimpl
 
 
 class RocmDcuBackend(Backend):
     name = "rocm_dcu"
-    flavour = "hygon" if shutil.which("hy-smi") else "amd"
+    flavour = "auto"
     device_type = "cuda"  # HIP builds of torch use the cuda device type
     visible_devices_env = "HIP_VISIBLE_DEVICES"
     priority = 25
+    identified_by = "not identified yet"
+    _identified = False
+
+    def __init__(self) -> None:
+        if interpreting():
+            self.device_type = "cpu"
 
     def is_available(self) -> Availability:
+        if importlib.util.find_spec("triton") is None:
+            return Availability(False, "triton is not installed (on DCU: the DTK build of Triton)")
+        if interpreting():
+            return Availability(True, "DINFER_INTERPRET=1: Triton kernels run on CPU tensors with wave64 tuning")
         if torch.version.hip is None:
-            return Availability(False, f"torch {torch.__version__} is not a HIP/ROCm build (torch.version.hip is None)")
+            return Availability(False, f"torch {torch.__version__} is not a HIP/DTK build (torch.version.hip is None)")
         if not torch.cuda.is_available():
-            return Availability(False, f"HIP {torch.version.hip} build sees no DCU/GPU device")
+            return Availability(False, f"HIP {torch.version.hip} build of torch sees no DCU/GPU")
         return Availability(True, f"{torch.cuda.device_count()} HIP device(s), HIP {torch.version.hip}")
 
+    def validate_choice(self) -> str | None:
+        if self.flavour not in ("auto", "hygon", "amd"):
+            return f"rocm_dcu flavour {self.flavour!r} is not one of hygon, amd"
+        if self.arch is not None:
+            if self.arch not in tuning.ARCHS:
+                return f"rocm_dcu arch {self.arch!r} has no tuning row; known: {', '.join(tuning.ARCHS)}"
+            vendor = tuning.ARCHS[self.arch].vendor
+            if self.flavour not in ("auto", vendor) and self.arch != "gfx906":  # gfx906: Z100 and MI50 alike
+                return f"rocm_dcu arch {self.arch} is a {vendor} arch, not {self.flavour}"
+        return None
+
+    def identify(self) -> None:
+        """Fill in flavour and arch: from the choice, else the device (after selection only)."""
+        if self._identified:
+            return
+        self._identified = True
+        if self.arch is not None:
+            if self.flavour == "auto":
+                self.flavour = tuning.ARCHS[self.arch].vendor
+            self.identified_by = f"chosen: {self.flavour}:{self.arch}"
+            return
+        if interpreting() or not torch.cuda.is_available():
+            self.flavour = "amd" if self.flavour == "auto" else self.flavour
+            self.arch = tuning.DEFAULT_ARCH[self.flavour]
+            self.identified_by = f"no device: {self.flavour}'s default arch {self.arch}"
+            return
+        props = torch.cuda.get_device_properties(0)
+        ident = detect.identify(props.name, getattr(props, "gcnArchName", ""), shutil.which)
+        self.flavour = ident.flavour if self.flavour == "auto" else self.flavour
+        self.arch, self.identified_by = ident.arch, ident.how
+
     def capabilities(self) -> Capabilities:
-        return Capabilities(dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64), warp_size=64)
+        self.identify()
+        rec = tuning.record(self.arch)
+        dtypes = (torch.float32, torch.bfloat16, torch.float16) if rec.bf16 else (torch.float32, torch.float16)
+        extra = {
+            "arch": rec.arch,
+            "products": rec.products,
+            "lds_bytes": rec.lds_bytes,
+            "matrix_dtypes": rec.matrix_dtypes,
+            "confirmed": rec.confirmed,
+            "identified_by": self.identified_by,
+        }
+        return Capabilities(dtypes=dtypes, warp_size=64, extra=extra)
+
+    def kernels(self) -> Mapping[str, Kernel]:
+        self.identify()
+        return triton_kernels(self.name, self.tuning(), self.launch_config)
+
+    def tuning(self) -> dict:
+        self.identify()
+        return tuning.TUNING[self.arch]
+
+    def default_launch_config(self, kernel: str) -> dict:
+        from dinfer_rt.backends.cuda.launch import default_config
+
+        return default_config(kernel, self.tuning())
 
     def versions(self) -> dict[str, str]:
-        return {"torch": torch.__version__, "hip": str(torch.version.hip)}
+        tools = ",".join(t for t in ("hy-smi", "rocm-smi") if shutil.which(t)) or "none"
+        return {"torch": torch.__version__, "hip": str(torch.version.hip), "triton": triton_version(), "smi": tools}
 
 
 @hookimpl

@@ -1,0 +1,55 @@
+"""Ahead-of-time HIP compilation of the shared Triton kernels with this backend's tuning rows:
+``dinfer-rt kernels compile --target rocm_dcu:gfx942`` (also gfx90a, gfx906) reports VGPR/SGPR
+use, spills and LDS per kernel from the AMDGCN metadata. Upstream Triton's HIP backend does
+this without a device; gfx928/gfx936 (Hygon) need the DTK build of Triton."""
+
+from __future__ import annotations
+
+import re
+
+from dinfer_rt.backends.cuda.aot import build, kernel_specs, report_row
+from dinfer_rt.backends.rocm_dcu import tuning
+from dinfer_rt.errors import BackendError
+
+
+def _meta(asm: str, key: str) -> int | None:
+    m = re.search(rf"^\s*\.{key}:\s+(\d+)", asm, re.MULTILINE)
+    return int(m.group(1)) if m else None
+
+
+def compile_hip(arch: str) -> list[dict]:
+    target = f"rocm_dcu:{arch}"
+    if arch in tuning.DTK_ONLY:
+        rec = tuning.record(arch)
+        raise BackendError(
+            f"{target} ({rec.products}) is not an upstream Triton target: compile it with Hygon's DTK build of "
+            f"Triton on a DTK machine (ROCM_PATH=/opt/dtk); upstream Triton here compiles {', '.join(tuning.COMPILABLE)}"
+        )
+    if arch not in tuning.COMPILABLE:
+        known = ", ".join(f"rocm_dcu:{a}" for a in tuning.ARCHS)
+        raise BackendError(f"unknown kernel target {target!r}; rocm_dcu targets: {known}")
+    from triton.backends.compiler import GPUTarget
+
+    rows = []
+    for name, signature, constexprs, warps in kernel_specs(tuning.TUNING[arch], tuning.dtype_name(arch)):
+        try:
+            compiled = build(name, signature, constexprs, warps, GPUTarget("hip", arch, 64))
+        except Exception as e:  # an MLIR/LLVM failure: name the kernel and target, keep the cause
+            raise BackendError(f"Triton HIP compile of {name} for {target} failed: {str(e).strip()[-300:]}") from e
+        asm = compiled.asm["amdgcn"]
+        rows.append(
+            report_row(
+                name,
+                target,
+                warps,
+                constexprs,
+                registers=_meta(asm, "vgpr_count"),
+                sgprs=_meta(asm, "sgpr_count"),
+                spill_stores=_meta(asm, "vgpr_spill_count"),  # VGPRs spilled to scratch memory
+                spill_loads=None,  # the AMDGCN metadata counts spilled registers, not loads
+                sgpr_spills=_meta(asm, "sgpr_spill_count"),  # SGPRs spilled (into VGPR lanes)
+                lds_bytes=_meta(asm, "group_segment_fixed_size"),
+                shared_bytes=compiled.metadata.shared,
+            )
+        )
+    return rows
