@@ -133,7 +133,7 @@ def cmd_validate(a: argparse.Namespace) -> int:
 
 
 def cmd_kernels(a: argparse.Namespace) -> int:
-    """Compile every cuda Triton kernel for a target, ahead of time, and report resources."""
+    """Compile every shared Triton kernel for a cuda or rocm_dcu target, ahead of time, and report resources."""
     import os
 
     from dinfer_rt.errors import BackendError
@@ -148,12 +148,13 @@ def cmd_kernels(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"{'kernel':14} {'target':12} {'warps':5} {'registers':9} {'spills (st/ld B)':16} shared B")
+    hip = any("sgpr_spills" in r for r in rows)
+    regs = "VGPRs/SGPRs" if hip else "registers"
+    print(f"{'kernel':24} {'target':16} {'warps':5} {regs:11} {'spills':10} {'LDS B' if hip else 'shared B'}")
     for r in rows:
-        spills = f"{r['spill_stores']}/{r['spill_loads']}"
-        print(
-            f"{r['kernel']:14} {r['target']:12} {r['num_warps']:<5} {r['registers']:<9} {spills:16} {r['shared_bytes']}"
-        )
+        used = f"{r['registers']}/{r['sgprs']}" if hip else str(r["registers"])
+        spills = f"{r['spill_stores']}v/{r['sgpr_spills']}s" if hip else f"{r['spill_stores']}/{r['spill_loads']} B"
+        print(f"{r['kernel']:24} {r['target']:16} {r['num_warps']:<5} {used:11} {spills:10} {r['shared_bytes']}")
     return 0
 
 
@@ -279,8 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     val.set_defaults(func=cmd_validate)
     kern = sub.add_parser("kernels", help="ahead-of-time kernel builds")
     ksub = kern.add_subparsers(dest="kernels_command", required=True)
-    kc = ksub.add_parser("compile", help="compile every cuda Triton kernel for a target (no GPU needed)")
-    kc.add_argument("--target", required=True, help="cuda:sm_80 or cuda:sm_90")
+    kc = ksub.add_parser("compile", help="compile every Triton kernel for cuda:sm_80|sm_90 or rocm_dcu:gfx906|gfx90a|gfx942 (no GPU needed)")
+    kc.add_argument("--target", required=True, help="cuda:sm_80, cuda:sm_90, rocm_dcu:gfx906, rocm_dcu:gfx90a, rocm_dcu:gfx942")
     kc.add_argument("--json", action="store_true")
     kc.set_defaults(func=cmd_kernels)
     i = sub.add_parser("ir", help="print the IR graph of a model (from its config.json)")

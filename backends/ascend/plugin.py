@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes.util
 import importlib.util
+import logging
 import os
 from pathlib import Path
 
@@ -53,15 +54,47 @@ class AscendBackend(Backend):
             )
         return Availability(True, "torch_npu and CANN found (devices are counted after selection)")
 
+    # Ascend 910B1/B2 (published, unconfirmed): 24 AI (cube) cores, 48 vector cores, 192 KB UB.
+    AI_CORES, VECTOR_CORES = 24, 48
+    # Fusions that pay on this chip (vllm-ascend's passes; hardware.md §2.3), each backed by a fused
+    # operator: add+RMSNorm (npu_add_rms_norm), gate/up merge + SwiGLU (npu_swiglu). The others
+    # (QKV merge, RoPE folded into attention, routing folded into MoE, LM head + confidence) have
+    # no operator here and stay off.
+    FUSIONS = ("add_rms_norm", "merge_gate_up")
+
+    def __init__(self) -> None:
+        self.constraint_fallbacks: dict[str, int] = {}
+        self._warned: set[str] = set()
+
     def capabilities(self) -> Capabilities:
-        return Capabilities(dtypes=(torch.float32, torch.bfloat16, torch.float16), alignment_bytes=32)
+        # fp32 attention goes to npu_fusion_attention (npu_fused_infer_attention_score rejects fp32)
+        extra = {
+            "ai_cores": self.AI_CORES,
+            "vector_cores": self.VECTOR_CORES,
+            "unified_buffer_bytes": 192 * 1024,
+            "graph_capture": "ACL graph (not wired yet)",
+            "collectives": "hccl",
+        }
+        return Capabilities(dtypes=(torch.float32, torch.bfloat16, torch.float16), alignment_bytes=32, extra=extra)
 
     def kernels(self):
-        """No torch_npu fused operators yet: every op runs through the reference fallback on NPU
-        tensors. Importing torch_npu here (after selection, once) registers the ``npu`` device."""
-        import torch_npu  # noqa: F401
+        """torch_npu fused operators for the ops that have one (imported here, after selection,
+        once: importing registers the ``npu`` device), plus the triton-ascend confidence kernel."""
+        import torch_npu
 
-        return {}
+        from dinfer_rt.backends.ascend.ops import make_kernels
+        from dinfer_rt.envs import DINFER_INTERPRET, flag
+
+        return make_kernels(torch_npu, self._constraint_fallback, self.VECTOR_CORES, flag(DINFER_INTERPRET))
+
+    def _constraint_fallback(self, op: str, reason: str) -> None:
+        self.constraint_fallbacks[op] = self.constraint_fallbacks.get(op, 0) + 1
+        if op not in self._warned:
+            self._warned.add(op)
+            logging.getLogger("dinfer_rt.ascend").warning("ascend: %s runs the reference: %s", op, reason)
+
+    def wants_fusion(self, pass_name: str) -> bool:
+        return pass_name in self.FUSIONS
 
     def versions(self) -> dict[str, str]:
         from importlib.metadata import PackageNotFoundError, version

@@ -8,16 +8,24 @@ the IR ops: statistics and rotations in fp32, outputs in the input dtype. Under
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 
+# Triton's interpreter rounds fp32 -> bf16 wrongly (it truncates by default and its "rtne" mode
+# does not carry), so under it _narrow rounds bf16 with integer ops; on a GPU it is one cvt.rn.
+_SOFT_BF16 = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
 @triton.jit
 def _narrow(x, dtype: tl.constexpr):
-    """fp32 -> ``dtype`` rounding to nearest even (the GPU default; the interpreter truncates
-    fp32 -> bf16 unless told)."""
-    if dtype.primitive_bitwidth < 32:
-        return x.to(dtype, fp_downcast_rounding="rtne")
+    """fp32 -> ``dtype``, rounding to nearest even (the GPU's conversion, the reference's too)."""
+    if _SOFT_BF16 and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)  # round half to even on the 16 dropped bits
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return x.to(dtype)
 
 
@@ -202,39 +210,49 @@ def attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEADS: tl.constexpr,
     BLOCK_CAUSAL: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    """Flash-style attention for one (batch, query head, BLOCK_M queries): keys stream through in
-    BLOCK_N tiles with an online softmax (fp32 running max, denominator and numerator), never a
-    [T, S] score matrix. GQA reads kv head head // groups. Masks: ``key_valid`` [B, S] (padding)
-    and, with BLOCK_CAUSAL, key block <= query block on absolute positions. A query that may see
-    no key attends to every key (the reference's rule against NaN): ``first_block`` [B] is the
-    lowest block holding a valid key (huge when none), so such "blind" rows are known up front
-    and the sweep stays single. P is rounded to V's dtype before P @ V, as the tensor cores take
-    it. q/o are contiguous [B, T, H, D]; k/v are [B, S, KV, D] with the given batch/sequence
-    strides, so a KV cache is read in place."""
+    """Flash-style attention for one batch row, HEADS query heads and BLOCK_M queries: keys stream
+    through in BLOCK_N tiles with an online softmax (fp32 running max, denominator, numerator),
+    never a [T, S] score matrix. GQA reads kv head = head // groups. Masks: ``key_valid`` [B, S]
+    (padding) and, with BLOCK_CAUSAL, key block <= query block on absolute positions. A query
+    that may see no key attends to every key (the reference's rule against NaN): ``first_block``
+    [B] is the lowest block holding a valid key (huge when none), so such rows are known up front
+    and the sweep stays single. P is rounded to V's dtype before P @ V, as tensor cores take it.
+    q/o are contiguous [B, T, H, D]; k/v are [B, S, KV, D] with the given batch/sequence strides,
+    so a KV cache is read in place.
+
+    HEADS > 1 (the interpreter's setting) stacks HEADS heads along both tile axes and masks the
+    cross-head blocks: one program then does HEADS heads' work per Python step. GPU rows use 1."""
     neg = float("-inf")
     pid_m, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // heads, bh % heads
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    head_blocks = tl.cdiv(heads, HEADS)
+    b, hb = bh // head_blocks, bh % head_blocks
+    r = tl.arange(0, HEADS * BLOCK_M)
+    h_q = hb * HEADS + r // BLOCK_M
+    rows = pid_m * BLOCK_M + r % BLOCK_M
     d = tl.arange(0, BLOCK_D)
-    rmask, dmask = rows < n_q, d < head_dim
-    io = (b * n_q + rows[:, None]) * heads * head_dim + h * head_dim + d[None, :]
+    rmask, dmask = (rows < n_q) & (h_q < heads), d < head_dim
+    io = (b * n_q + rows[:, None]) * heads * head_dim + h_q[:, None] * head_dim + d[None, :]
     iomask = rmask[:, None] & dmask[None, :]
     q = tl.load(q_ptr + io, mask=iomask, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
     q_block = tl.load(q_pos_ptr + rows, mask=rmask, other=0).to(tl.int32) // block_size  # 32-bit: cheap division
-    blind = tl.load(first_block_ptr + b) > q_block.to(tl.int64)  # [BLOCK_M]: sees every key
-    kv_base = b * k_stride_b + (h // groups) * head_dim
-    m_i = tl.full((BLOCK_M,), neg, tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    blind = tl.load(first_block_ptr + b) > q_block.to(tl.int64)  # rows that see every key
+    c = tl.arange(0, HEADS * BLOCK_N)
+    h_k = hb * HEADS + c // BLOCK_N
+    same_head = (r // BLOCK_M)[:, None] == (c // BLOCK_N)[None, :]
+    kv_col = b * k_stride_b + (h_k // groups) * head_dim
+    m_i = tl.full((HEADS * BLOCK_M,), neg, tl.float32)
+    l_i = tl.zeros((HEADS * BLOCK_M,), tl.float32)
+    acc = tl.zeros((HEADS * BLOCK_M, BLOCK_D), tl.float32)
     for n0 in range(0, n_k, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        cmask = cols < n_k
-        kv_off = kv_base + cols[:, None] * k_stride_s + d[None, :]
+        cols = n0 + c % BLOCK_N
+        cmask = (cols < n_k) & (h_k < heads)
+        kv_off = kv_col[:, None] + cols[:, None] * k_stride_s + d[None, :]
         kv_mask = cmask[:, None] & dmask[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
@@ -245,7 +263,7 @@ def attention_kernel(
         if BLOCK_CAUSAL:
             k_block = tl.load(k_pos_ptr + cols, mask=cmask, other=0).to(tl.int32) // block_size
             allowed = allowed & (k_block[None, :] <= q_block[:, None])
-        s = tl.where((allowed | blind[:, None]) & cmask[None, :], s, neg)
+        s = tl.where((allowed | blind[:, None]) & cmask[None, :] & same_head, s, neg)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         ref = tl.where(m_new == neg, 0.0, m_new)
         alpha = tl.where(m_i == neg, 0.0, tl.exp(m_i - ref))

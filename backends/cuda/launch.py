@@ -12,8 +12,12 @@ import triton
 
 # rows: rows per program for row-wise kernels (the interpreter runs one Python step per program,
 # so it wants big tiles); warps_per_4k: warps per 4096 columns; elementwise_block: column block;
-# attn_*: flash-attention tiles and warps; gemm_*: tiles of the LM-head and grouped MoE GEMMs;
+# attn_*: flash-attention tiles, warps and heads per program; gemm_*: tiles of the LM-head and grouped MoE GEMMs;
 # router_elems: elements per routing tile.
+# How much one program covers under the interpreter, which runs one Python step per program:
+# more rows / heads per program, same tile shapes otherwise. GPU rows keep 1 row / 1 head.
+INTERPRETER_PARALLELISM = {"rows": 2048, "attn_heads": 8, "router_elems": 2**16}
+
 _GPU = {
     "rows": 1,
     "warps_per_4k": 8,
@@ -22,6 +26,7 @@ _GPU = {
     "attn_m": 64,
     "attn_n": 64,
     "attn_warps": 4,
+    "attn_heads": 1,
     "gemm_m": 16,
     "gemm_n": 64,
     "gemm_k": 32,
@@ -31,7 +36,7 @@ _GPU = {
 ARCH_TABLE = {
     "sm_80": dict(_GPU, attn_warps=8),  # 4 warps spill 204 B in attention (ptxas, head_dim 128)
     "sm_90": dict(_GPU, attn_warps=8),
-    "interpret": dict(_GPU, rows=256, warps_per_4k=1, elementwise_block=2048, attn_warps=1, gemm_warps=1, router_elems=2**16),
+    "interpret": dict(_GPU, warps_per_4k=1, elementwise_block=2048, attn_warps=1, gemm_warps=1, **INTERPRETER_PARALLELISM),
 }
 
 
@@ -52,6 +57,7 @@ def attention_config(n_queries: int, head_dim: int, t: dict) -> dict:
         "BLOCK_M": max(16, min(t["attn_m"], triton.next_power_of_2(n_queries))),
         "BLOCK_N": t["attn_n"],
         "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+        "HEADS": t["attn_heads"],
         "num_warps": t["attn_warps"],
     }
 

@@ -22,11 +22,13 @@ def _need_inner_contiguous(op: str, *tensors: torch.Tensor) -> None:
 
 
 def first_allowed_block(key_valid: torch.Tensor, key_pos: torch.Tensor, block_size: int | None) -> torch.Tensor:
-    """[B] lowest block (of ``block_size`` positions; 1 without block-causal) holding a valid
-    key; a huge value when a row has none. A query whose block is below it sees no key."""
+    """[B] lowest block of ``block_size`` positions holding a valid key (0 without block-causal
+    masking, when any key is valid); huge when a row has none. A query whose block is below it
+    sees no key."""
     none = torch.iinfo(torch.int64).max // 2
     first = torch.where(key_valid, key_pos[None, :], none).amin(-1)
-    return torch.where(first == none, none, first // (block_size or 1)).contiguous()
+    lowest = first // block_size if block_size is not None else torch.zeros_like(first)
+    return torch.where(first == none, none, lowest).contiguous()
 
 
 def make_kernels(tuning: dict, interpret: bool, launch_config: Callable[[str], dict]) -> dict[str, Callable]:
@@ -114,7 +116,7 @@ def make_kernels(tuning: dict, interpret: bool, launch_config: Callable[[str], d
         b, t, heads, d = qc.shape
         out = torch.empty_like(qc)
         cfg = {**attention_config(t, d, tuning), **tuned["attention"]}
-        grid = (triton.cdiv(t, cfg["BLOCK_M"]), b * heads)
+        grid = (triton.cdiv(t, cfg["BLOCK_M"]), b * triton.cdiv(heads, cfg["HEADS"]))
         kern.attention_kernel[grid](
             qc,
             keys,

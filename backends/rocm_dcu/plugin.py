@@ -96,8 +96,13 @@ class RocmDcuBackend(Backend):
         return triton_kernels(self.name, self.tuning(), self.launch_config)
 
     def tuning(self) -> dict:
+        """The arch's wave64 row; under the interpreter, with its rows/heads per program raised
+        (tile shapes, hence numerics, stay the arch's)."""
+        from dinfer_rt.backends.cuda.launch import INTERPRETER_PARALLELISM
+
         self.identify()
-        return tuning.TUNING[self.arch]
+        row = tuning.TUNING[self.arch]
+        return {**row, **INTERPRETER_PARALLELISM} if interpreting() else row
 
     def default_launch_config(self, kernel: str) -> dict:
         from dinfer_rt.backends.cuda.launch import default_config

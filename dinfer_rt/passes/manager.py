@@ -63,7 +63,7 @@ class PassManager:
     ) -> None:
         self.priority = priority
         disabled = {p.strip() for p in (envs.get(envs.DINFER_DISABLE_PASSES) or "").split(",") if p.strip()}
-        known = {p.name for p in passes}
+        known = {p.name for p in passes} | {p.name for p in default_pipeline()}  # a backend may drop some
         unknown = disabled - known
         if unknown:
             from dinfer_rt.errors import DinferError

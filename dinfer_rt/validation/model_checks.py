@@ -17,6 +17,7 @@ from dinfer_rt.sampling import SamplingParams
 
 MODEL_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 NEAR_TIE = {torch.float32: 1e-3, torch.float64: 1e-9, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+MOE_FLIP_SHARE = 0.05
 EXACT_MATCH = {torch.float32: 1.0, torch.float64: 1.0, torch.bfloat16: 0.8, torch.float16: 0.9}
 
 
@@ -35,20 +36,31 @@ def _states(
 
 
 def teacher_forced(test: Model, ref: Model, prompts, answers, gen: int, fractions=(1.0, 0.5, 0.1)) -> dict:
+    """Logits at the generated positions vs the reference. For MoE models in 16-bit a near-tie
+    expert choice can flip between roundings and move that position's logits far (a correct
+    backend does this too: cpu bf16 vs float64 shows it), so there up to MOE_FLIP_SHARE of the
+    positions may exceed the tolerance and argmax agreement must reach 0.9 instead of 0.99."""
     rows = []
     ok = True
+    flips_allowed = test.spec.moe is not None and test.dtype in (torch.bfloat16, torch.float16)
     for frac in fractions:
         x = _states(ref, prompts, answers, gen, frac, seed=int(frac * 1000))
         a, b = test.forward(x).double().cpu(), ref.forward(x).double()
         region = slice(x.shape[1] - gen, None)
         a, b = a[:, region], b[:, region]
         scale = b.abs().max().item()
-        rel = ((a - b).abs().max().item()) / scale
+        per_position = (a - b).abs().amax(-1) / scale
+        rel = per_position.max().item()
         cos = torch.nn.functional.cosine_similarity(a.flatten(0, 1), b.flatten(0, 1), dim=-1).min().item()
         top2 = b.topk(2, dim=-1).values
         decided = (top2[..., 0] - top2[..., 1]) > NEAR_TIE[test.dtype] * scale
         agree = (a.argmax(-1) == b.argmax(-1))[decided].double().mean().item() if decided.any() else 1.0
-        passed = rel <= MODEL_TOLERANCE[test.dtype] and agree >= 0.99
+        tol = MODEL_TOLERANCE[test.dtype]
+        if flips_allowed:  # positions whose expert choice flipped may exceed: at most 5% (at least 1)
+            over = int((per_position > tol).sum())
+            passed = over <= max(1, int(MOE_FLIP_SHARE * per_position.numel())) and agree >= 0.9
+        else:
+            passed = rel <= tol and agree >= 0.99
         ok &= passed
         rows.append(
             {

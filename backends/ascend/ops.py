@@ -1,0 +1,159 @@
+"""IR ops -> torch_npu fused operators (signatures and sources: docs/backends/ascend.md).
+
+Each wrapper has its IR op's reference signature. Conventions are written next to each call:
+layouts, mask polarity, scale. An op whose documented constraints a call does not meet (say the
+grouped router outside Atlas A2's 256-expert shape) runs the IR reference instead, and the
+backend records that with the reason (``AscendBackend.constraint_fallbacks``), never silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from dinfer_rt.ir import ops
+
+ATTENTION_LAYOUT = "BNSD"  # q/k/v handed over as [B, N, S, D], contiguous (the op rejects strided input)
+MASK_TRUE_MEANS_MASKED = True  # atten_mask: True = the position does not take part
+GROUP_SELECT_TOP2_SUM = 1  # npu_moe_gating_top_k group_select_mode: rank groups by their top-2 sum
+
+
+def make_kernels(npu, fallback: Callable[[str, str], None], vector_cores: int, interpret: bool) -> dict[str, Callable]:
+    """IR op -> wrapper over the torch_npu module ``npu`` (real or simulated). Ops whose
+    operator ``npu`` lacks (``hasattr``) are left out and take the counted reference fallback."""
+    k: dict[str, Callable] = {}
+
+    def has(name: str) -> bool:
+        return hasattr(npu, name)
+
+    if has("npu_rms_norm"):
+
+        def rms_norm(x, weight, *, eps):
+            return npu.npu_rms_norm(x, weight, epsilon=eps)[0]  # -> (y, rstd)
+
+        k["rms_norm"] = rms_norm
+
+    if has("npu_add_rms_norm"):
+
+        def add_rms_norm(x, residual, weight, *, eps):
+            y, _rstd, summed = npu.npu_add_rms_norm(x, residual, weight, eps)  # -> (y, rstd, x1 + x2)
+            return y, summed
+
+        k["add_rms_norm"] = add_rms_norm
+
+    if has("npu_rotary_mul"):
+
+        def rope(x, positions, *, theta, rotary_dim):
+            # x is [B, S, N, D] (BSND); cos/sin [B, S, 1, rotary_dim] broadcast over heads. Half-split
+            # ("half" mode) as the IR; rotated in fp32 like the reference, the rest passes through.
+            cos, sin = ops.rope_angles(positions, rotary_dim, theta)
+            rotated = npu.npu_rotary_mul(x[..., :rotary_dim].float().contiguous(), cos, sin)
+            return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
+
+        k["rope"] = rope
+
+    if has("npu_swiglu"):
+
+        def swiglu(h):
+            return npu.npu_swiglu(h.contiguous(), dim=-1)  # A (first half) = gate, B (second) = up
+
+        k["swiglu"] = swiglu
+
+    if has("npu_fused_infer_attention_score") and has("npu_fusion_attention"):
+
+        def attention(q, key, value, key_valid, token_index, k_cache=None, v_cache=None, *, scale, block_size=None):
+            if k_cache is not None:  # splice the block's K/V into the cache in place
+                k_cache.index_copy_(1, token_index, key)
+                v_cache.index_copy_(1, token_index, value)
+                keys, values = k_cache, v_cache
+                key_index = torch.arange(keys.shape[1], device=q.device)
+            else:
+                keys, values, key_index = key, value, token_index
+            allowed = ops.attention_mask(key_valid, token_index, key_index, block_size)
+            allowed = allowed.expand(q.shape[0], 1, q.shape[1], keys.shape[1]).contiguous()  # B1SS, as documented
+            mask = ~allowed if MASK_TRUE_MEANS_MASKED else allowed
+            qkv = [t.transpose(1, 2).contiguous() for t in (q, keys, values)]  # BNSD
+            if q.dtype == torch.float32:  # the inference operator takes fp16/bf16/int8 only
+                out = npu.npu_fusion_attention(
+                    *qkv, q.shape[2], ATTENTION_LAYOUT, atten_mask=mask, scale=scale
+                )[0]  # -> (out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)
+            else:
+                out, _lse = npu.npu_fused_infer_attention_score(
+                    *qkv,
+                    atten_mask=mask,
+                    num_heads=q.shape[2],
+                    num_key_value_heads=keys.shape[2],
+                    scale=scale,
+                    input_layout=ATTENTION_LAYOUT,
+                )
+            out = out.transpose(1, 2)
+            return (out, k_cache, v_cache) if k_cache is not None else out
+
+        k["attention"] = attention
+
+    if has("npu_moe_gating_top_k_softmax"):
+
+        def router_softmax_topk(logits, *, k, renormalize):
+            w, idx, _row_idx = npu.npu_moe_gating_top_k_softmax(logits, None, k=k)
+            if renormalize:
+                w = w / w.sum(-1, keepdim=True)
+            return w, idx.long()
+
+        k["router_softmax_topk"] = router_softmax_topk
+
+    if has("npu_moe_gating_top_k"):
+
+        def router_sigmoid_grouped(logits, bias, *, k, n_group, topk_group, renormalize, scale):
+            experts = logits.shape[-1]
+            if experts != 256 or topk_group != 4 or not 1 <= k <= 32 or not renormalize:
+                fallback("router_sigmoid_grouped", "npu_moe_gating_top_k on Atlas A2 takes 256 experts, k_group 4, k<=32")
+                return ops.router_sigmoid_grouped(
+                    logits, bias, k=k, n_group=n_group, topk_group=topk_group, renormalize=renormalize, scale=scale
+                )
+            flat = logits.reshape(-1, experts)
+            w, idx, _ = npu.npu_moe_gating_top_k(
+                flat,
+                k,
+                bias=bias.to(flat.dtype),
+                k_group=topk_group,
+                group_count=n_group,
+                group_select_mode=GROUP_SELECT_TOP2_SUM,
+                renorm=0,
+                norm_type=1,  # sigmoid scores
+                routed_scaling_factor=scale,  # y = score / sum * factor: renormalised, then scaled
+                eps=1e-20,
+            )
+            shape = (*logits.shape[:-1], k)
+            return w.float().reshape(shape), idx.long().reshape(shape)
+
+        k["router_sigmoid_grouped"] = router_sigmoid_grouped
+
+    k.update(_triton_kernels(vector_cores, interpret))
+    return k
+
+
+def _triton_kernels(vector_cores: int, interpret: bool) -> dict[str, Callable]:
+    """The triton-ascend confidence kernel when a Triton that can run it is present (the Ascend
+    backend of triton-ascend, or the interpreter); else none, and the op takes the fallback."""
+    try:
+        import triton
+    except ImportError:
+        return {}
+    if not interpret and "ascend" not in getattr(triton.backends, "backends", {}):
+        return {}
+    from dinfer_rt.backends.ascend import triton_kernels as tk
+
+    def confidence(logits, *, banned, kind="max"):
+        z = logits.contiguous()
+        vocab = z.shape[-1]
+        rows = z.numel() // vocab
+        score = torch.empty(z.shape[:-1], dtype=torch.float32, device=z.device)
+        token = torch.empty(z.shape[:-1], dtype=torch.int64, device=z.device)
+        cfg = tk.launch_config(vocab, z.element_size(), vector_cores, rows)
+        kind_id = {"max": 0, "margin": 1, "entropy": 2}[kind]
+        tk.confidence_kernel[(cfg["grid"],)](
+            z, score, token, rows, vocab, banned, KIND=kind_id, BLOCK_V=cfg["BLOCK_V"], ROWS=cfg["ROWS"]
+        )
+        return score, token
+
+    return {"confidence": confidence}
