@@ -1,10 +1,11 @@
-"""One GPU session's checks for the cuda backend (run by benchmarks/gpu_check.sh, < 10 minutes on
-one H200): kernel correctness on the GPU, kernel timings against torch eager, and an
-LLaDA-8B-shaped random-weight bf16 model (dual cache, block 32, context 1024): ms per denoising
-forward against the weight-bytes / bandwidth floor, and tokens/s at a fixed tokens-per-forward.
-Writes gpu_check.json and gpu_check.md to --out.
+"""One device session's checks for a backend (cuda by default; rocm_dcu and ascend through
+benchmarks/dcu_check.sh and ascend_check.sh), < 10 minutes on one H200: kernel correctness on
+the device, kernel timings against torch eager, and an LLaDA-8B-shaped random-weight bf16 model
+(dual cache, block 32, context 1024): ms per denoising forward against the weight-bytes /
+bandwidth floor, and tokens/s at a fixed tokens-per-forward.
+Writes gpu_check / dcu_check / ascend_check .json and .md to --out.
 
-Status: written without a GPU (none was lent to the session that wrote it); not yet run.
+Status: written without a GPU (none was lent to the sessions that wrote it); not yet run.
 """
 
 from __future__ import annotations
@@ -22,24 +23,28 @@ from dinfer_rt.model import Model
 from dinfer_rt.plugins import select_backend
 from dinfer_rt.spec import param_plan, parse_spec
 
+DEV = "cuda"  # the backend's torch device type ("cuda" for NVIDIA and HIP builds, "npu" for Ascend)
+
+
+def sync() -> None:
+    getattr(torch, DEV).synchronize()
+
 
 def cuda_time(fn, iters: int = 50) -> float:
-    """Median milliseconds of ``fn`` with CUDA events, after a warm-up."""
+    """Median milliseconds of ``fn`` after a warm-up, synchronising the device around each call."""
     fn()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start = time.perf_counter()
         fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
     return sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth_gbs() -> float:
-    x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    x = torch.empty(1 << 28, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
     ms = cuda_time(lambda: y.copy_(x), 20)
     return 2 * x.numel() / (ms * 1e-3) / 1e9
@@ -47,15 +52,40 @@ def copy_bandwidth_gbs() -> float:
 
 def _cases(k: dict, dtype: torch.dtype) -> dict:
     """kernel -> (ours, torch eager, float64 reference, bytes moved) on LLaDA-8B-sized inputs."""
-    x = torch.randn(32, 4096, device="cuda", dtype=dtype)
+    x = torch.randn(32, 4096, device=DEV, dtype=dtype)
     r = torch.randn_like(x)
-    w = (1 + 0.1 * torch.randn(4096, device="cuda")).to(dtype)
-    h = torch.randn(32, 2 * 12288, device="cuda", dtype=dtype)
-    q = torch.randn(1, 32, 32, 128, device="cuda", dtype=dtype)
-    pos = torch.arange(992, 1024, device="cuda")[None]
+    w = (1 + 0.1 * torch.randn(4096, device=DEV)).to(dtype)
+    h = torch.randn(32, 2 * 12288, device=DEV, dtype=dtype)
+    q = torch.randn(1, 32, 32, 128, device=DEV, dtype=dtype)
+    pos = torch.arange(992, 1024, device=DEV)[None]
     rope = {"theta": 500000.0, "rotary_dim": 128}
     size = x.numel() * x.element_size()
+    # a dual-cache block step: 32 queries, 8 of 32 heads' worth of KV (GQA 4), a 1024-slot cache
+    qa = torch.randn(2, 32, 32, 128, device=DEV, dtype=dtype)
+    ka, va = (torch.randn(2, 32, 8, 128, device=DEV, dtype=dtype) for _ in range(2))
+    kc, vc = (torch.randn(2, 1024, 8, 128, device=DEV, dtype=dtype) for _ in range(2))
+    valid, idx = torch.ones(2, 1024, dtype=torch.bool, device=DEV), torch.arange(992, 1024, device=DEV)
+    att = {"scale": 128**-0.5, "block_size": 32}
+    # LLaDA-MoE-shaped experts: 64 experts, top-8, hidden 2048, width 1024, 64 tokens
+    xm = torch.randn(64, 2048, device=DEV, dtype=dtype)
+    gu = (0.02 * torch.randn(64, 2048, 2048, device=DEV)).to(dtype)
+    dn = (0.02 * torch.randn(64, 2048, 1024, device=DEV)).to(dtype)
+    wm, im = ops.router_softmax_topk(torch.randn(64, 64, device=DEV), k=8, renormalize=False)
     return {
+        "attention": (
+            lambda: k["attention"](qa, ka, va, valid, idx, kc, vc, **att)[0],
+            lambda: ops.attention(qa, ka, va, valid, idx, kc, vc, **att)[0],
+            lambda: ops.attention(qa.double(), ka.double(), va.double(), valid, idx, kc.double(), vc.double(), **att)[
+                0
+            ],
+            2 * 2 * kc.numel() * kc.element_size(),
+        ),
+        "moe_experts": (
+            lambda: k["moe_experts"](xm, wm, im, gu, dn),
+            lambda: ops.moe_experts(xm, wm, im, gu, dn),
+            lambda: ops.moe_experts(xm.double(), wm.double(), im, gu.double(), dn.double()),
+            int(im.unique().numel()) * 3 * 2048 * 1024 * xm.element_size(),
+        ),
         "rms_norm": (
             lambda: k["rms_norm"](x, w, eps=1e-5),
             lambda: ops.rms_norm(x, w, eps=1e-5),
@@ -84,7 +114,7 @@ def _cases(k: dict, dtype: torch.dtype) -> dict:
 
 
 def kernel_checks(backend) -> list[dict]:
-    k = backend.kernels()
+    k = {op: fn for op, (fn, _src) in backend.kernel_table().items()}  # ops without a kernel: the fallback
     rows = []
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         for name, (ours, eager, ref, nbytes) in _cases(k, dtype).items():
@@ -107,7 +137,7 @@ def kernel_checks(backend) -> list[dict]:
 
 def llada_8b_step(backend_name: str, context: int = 1024, block: int = 32, tpf: float = 4.0) -> dict:
     spec = parse_spec(Path("LLaDA-8B"), LLADA_8B)
-    weights = {p.name: (torch.randn(p.shape, device="cuda", dtype=torch.bfloat16) * 0.02) for p in param_plan(spec)}
+    weights = {p.name: (torch.randn(p.shape, device=DEV, dtype=torch.bfloat16) * 0.02) for p in param_plan(spec)}
     backend = select_backend(backend_name)
     model = Model(Path("LLaDA-8B (random)"), spec, weights, None, backend, torch.bfloat16)
     ids = torch.randint(0, spec.vocab, (1, context), device="cpu")
@@ -122,7 +152,7 @@ def llada_8b_step(backend_name: str, context: int = 1024, block: int = 32, tpf: 
     steps = int(256 / tpf)
     for _ in range(steps):
         model.forward(ids, cache=cache, compute=blk)
-    torch.cuda.synchronize()
+    sync()
     wall = time.perf_counter() - start
     return {
         "step_ms": step_ms,
@@ -138,21 +168,27 @@ def llada_8b_step(backend_name: str, context: int = 1024, block: int = 32, tpf: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--backend", default="cuda", help="cuda, rocm_dcu[:flavour[:arch]] or ascend")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_check: no CUDA device visible")
-    backend = select_backend("cuda")
+    global DEV
+    backend = select_backend(args.backend)  # the standard unavailable-backend error if there is no device
+    DEV = backend.device_type
+    name = backend.describe()
     result = {
-        "device": torch.cuda.get_device_name(),
+        "device": f"{name} ({getattr(torch, DEV).get_device_name()})",
+        "backend": name,
+        "versions": backend.versions(),
         "torch": torch.__version__,
         "copy_gb_s": copy_bandwidth_gbs(),
         "kernels": kernel_checks(backend),
-        "llada_8b_dual_cache_step": llada_8b_step("cuda"),
+        "llada_8b_dual_cache_step": llada_8b_step(args.backend),
     }
-    (args.out / "gpu_check.json").write_text(json.dumps(result, indent=1))
+    stem = {"cuda": "gpu_check", "npu": "ascend_check"}.get(DEV, "gpu_check")
+    stem = "dcu_check" if backend.name == "rocm_dcu" else stem
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
     lines = [
-        f"# GPU check on {result['device']}",
+        f"# Device check on {result['device']}",
         "",
         f"copy bandwidth {result['copy_gb_s']:.0f} GB/s",
         "",
@@ -171,10 +207,10 @@ def main() -> None:
         f"{s['weight_bytes_floor_ms']:.2f} ms ({s['ratio_to_floor']:.2f}x); {s['tokens_per_s_at_tpf']:.0f} tok/s at "
         f"{s['tokens_per_forward']} tokens/forward",
     ]
-    (args.out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if not all(r["passed"] for r in result["kernels"]):
-        raise SystemExit("gpu_check: a kernel failed its tolerance")
+        raise SystemExit(f"{stem}: a kernel failed its tolerance")
 
 
 if __name__ == "__main__":

@@ -7,4 +7,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-deps --no-build-isolation -e .
 python3 -m pytest -q -p no:cacheprovider tests/test_reference_models.py tests/test_ir.py
-python3 benchmarks/gpu_check.py --out "${OUT:-benchmarks/results}"
+python3 benchmarks/gpu_check.py --backend cuda --out "${OUT:-benchmarks/results}"

@@ -280,8 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
     val.set_defaults(func=cmd_validate)
     kern = sub.add_parser("kernels", help="ahead-of-time kernel builds")
     ksub = kern.add_subparsers(dest="kernels_command", required=True)
-    kc = ksub.add_parser("compile", help="compile every Triton kernel for cuda:sm_80|sm_90 or rocm_dcu:gfx906|gfx90a|gfx942 (no GPU needed)")
-    kc.add_argument("--target", required=True, help="cuda:sm_80, cuda:sm_90, rocm_dcu:gfx906, rocm_dcu:gfx90a, rocm_dcu:gfx942")
+    kc = ksub.add_parser(
+        "compile",
+        help="compile every Triton kernel for cuda:sm_80|sm_90 or rocm_dcu:gfx906|gfx90a|gfx942 (no GPU needed)",
+    )
+    kc.add_argument(
+        "--target", required=True, help="cuda:sm_80, cuda:sm_90, rocm_dcu:gfx906, rocm_dcu:gfx90a, rocm_dcu:gfx942"
+    )
     kc.add_argument("--json", action="store_true")
     kc.set_defaults(func=cmd_kernels)
     i = sub.add_parser("ir", help="print the IR graph of a model (from its config.json)")

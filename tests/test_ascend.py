@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import dinfer_rt
-from dinfer_rt import plugins
-from dinfer_rt.backend import Availability
 from dinfer_rt.backends.ascend import ops as ascend_ops
 from dinfer_rt.backends.ascend import triton_kernels as tk
 from dinfer_rt.backends.ascend.plugin import AscendBackend
 from dinfer_rt.ir import ops
+
+import dinfer_rt
+from dinfer_rt import plugins
+from dinfer_rt.backend import Availability
 from dinfer_rt.testing import simulated_torch_npu
 
 pytest.importorskip("triton")

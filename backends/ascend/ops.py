@@ -74,9 +74,9 @@ def make_kernels(npu, fallback: Callable[[str, str], None], vector_cores: int, i
             mask = ~allowed if MASK_TRUE_MEANS_MASKED else allowed
             qkv = [t.transpose(1, 2).contiguous() for t in (q, keys, values)]  # BNSD
             if q.dtype == torch.float32:  # the inference operator takes fp16/bf16/int8 only
-                out = npu.npu_fusion_attention(
-                    *qkv, q.shape[2], ATTENTION_LAYOUT, atten_mask=mask, scale=scale
-                )[0]  # -> (out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)
+                out = npu.npu_fusion_attention(*qkv, q.shape[2], ATTENTION_LAYOUT, atten_mask=mask, scale=scale)[
+                    0
+                ]  # -> (out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)
             else:
                 out, _lse = npu.npu_fused_infer_attention_score(
                     *qkv,
@@ -106,7 +106,9 @@ def make_kernels(npu, fallback: Callable[[str, str], None], vector_cores: int, i
         def router_sigmoid_grouped(logits, bias, *, k, n_group, topk_group, renormalize, scale):
             experts = logits.shape[-1]
             if experts != 256 or topk_group != 4 or not 1 <= k <= 32 or not renormalize:
-                fallback("router_sigmoid_grouped", "npu_moe_gating_top_k on Atlas A2 takes 256 experts, k_group 4, k<=32")
+                fallback(
+                    "router_sigmoid_grouped", "npu_moe_gating_top_k on Atlas A2 takes 256 experts, k_group 4, k<=32"
+                )
                 return ops.router_sigmoid_grouped(
                     logits, bias, k=k, n_group=n_group, topk_group=topk_group, renormalize=renormalize, scale=scale
                 )

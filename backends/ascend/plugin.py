@@ -81,8 +81,8 @@ class AscendBackend(Backend):
         """torch_npu fused operators for the ops that have one (imported here, after selection,
         once: importing registers the ``npu`` device), plus the triton-ascend confidence kernel."""
         import torch_npu
-
         from dinfer_rt.backends.ascend.ops import make_kernels
+
         from dinfer_rt.envs import DINFER_INTERPRET, flag
 
         return make_kernels(torch_npu, self._constraint_fallback, self.VECTOR_CORES, flag(DINFER_INTERPRET))

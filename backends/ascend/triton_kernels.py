@@ -42,7 +42,15 @@ def working_set_bytes(block_v: int, elem_bytes: int, rows: int = 1) -> int:
 
 @triton.jit
 def confidence_kernel(
-    logits_ptr, score_ptr, token_ptr, n_rows, vocab, banned, KIND: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr
+    logits_ptr,
+    score_ptr,
+    token_ptr,
+    n_rows,
+    vocab,
+    banned,
+    KIND: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     """Program p handles row blocks p, p + grid, ... of ROWS rows; each row's vocabulary streams
     in BLOCK_V sub-blocks with an online softmax (running max m, Z = sum exp(z - m),

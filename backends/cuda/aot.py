@@ -38,6 +38,8 @@ def kernel_specs(t: dict, dt: str = "bf16") -> list[tuple[str, dict, dict, int]]
     down_sig = {"h_ptr": p, "wd_ptr": p, "y_ptr": "*fp32", "tok_ptr": "*i32", "row_weight_ptr": "*fp32"}
     down_sig |= {"tile_expert_ptr": "*i32", "hidden": i32, "inter": i32}
     moe_cfg = {k: moe[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    commit_sig = {"conf_ptr": "*fp32", "masked_ptr": "*i1", "quota_ptr": "*i64", "x0_ptr": "*i64", "x_ptr": "*i64"}
+    commit_sig |= {"commit_ptr": "*i8", "n_slots": i32, "x_stride": i32, "threshold": f32}
     return [
         (
             "rms_norm_kernel",
@@ -91,6 +93,8 @@ def kernel_specs(t: dict, dt: str = "bf16") -> list[tuple[str, dict, dict, int]]
             4,
         ),
         ("moe_gate_up_kernel", moe_sig | {"hidden": i32, "inter": i32}, moe_cfg | gemm_common, moe["num_warps"]),
+        ("commit_kernel", commit_sig, {"TOP_K": True, "BLOCK_L": BLOCK_TOKENS}, 1),
+        ("commit_kernel", commit_sig, {"TOP_K": False, "BLOCK_L": BLOCK_TOKENS}, 1),
         ("moe_down_kernel", down_sig, moe_cfg | gemm_common, moe["num_warps"]),
     ]
 
@@ -110,6 +114,8 @@ def report_row(name: str, target: str, warps: int, constexprs: dict, **resources
     kernel = name.removesuffix("_kernel")
     if kernel == "router":
         kernel += "_sigmoid_grouped" if constexprs["SIGMOID"] else "_softmax_topk"
+    if kernel == "commit":
+        kernel += "_top_k" if constexprs["TOP_K"] else "_threshold"
     return {"kernel": kernel, "target": target, "num_warps": warps, "constexprs": constexprs, **resources}
 
 

@@ -13,7 +13,6 @@ import os
 import triton
 import triton.language as tl
 
-
 # Triton's interpreter rounds fp32 -> bf16 wrongly (it truncates by default and its "rtne" mode
 # does not carry), so under it _narrow rounds bf16 with integer ops; on a GPU it is one cvt.rn.
 _SOFT_BF16 = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -401,7 +400,9 @@ def moe_gate_up_kernel(
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         km = ks < hidden
-        x = tl.load(x_ptr + tok[:, None].to(tl.int64) * hidden + ks[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + tok[:, None].to(tl.int64) * hidden + ks[None, :], mask=rmask[:, None] & km[None, :], other=0.0
+        )
         wmask = km[:, None] & cmask[None, :]
         wg = tl.load(w_base + cols[None, :] * hidden + ks[:, None], mask=wmask, other=0.0)
         wu = tl.load(w_base + (inter + cols[None, :]) * hidden + ks[:, None], mask=wmask, other=0.0)
@@ -451,3 +452,42 @@ def moe_down_kernel(
     wt = tl.load(row_weight_ptr + rows, mask=rmask, other=0.0)
     y = _round(acc, h_ptr.dtype.element_ty) * wt[:, None]
     tl.store(y_ptr + rows[:, None] * hidden + cols[None, :], y, mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def commit_kernel(
+    conf_ptr,
+    masked_ptr,
+    quota_ptr,
+    x0_ptr,
+    x_ptr,
+    commit_ptr,
+    n_slots,
+    x_stride,
+    threshold,
+    TOP_K: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    """Commit decisions for one row of a block, on the device: TOP_K commits the quota best masked
+    slots (rank = slots with a higher score, ties to the lower index; the low_confidence rule);
+    otherwise masked slots with confidence >= threshold plus the best masked slot (the threshold
+    rule's at-least-one). Committed slots take their candidate token in ``x`` in place."""
+    row = tl.program_id(0)
+    j = tl.arange(0, BLOCK_L)
+    inb = j < n_slots
+    masked = (tl.load(masked_ptr + row * n_slots + j, mask=inb, other=0) != 0) & inb
+    conf = tl.where(masked, tl.load(conf_ptr + row * n_slots + j, mask=inb, other=0.0), float("-inf"))
+    i = tl.arange(0, BLOCK_L)
+    other = tl.where(masked, conf, float("-inf"))
+    ahead = (other[None, :] > conf[:, None]) | ((other[None, :] == conf[:, None]) & (i[None, :] < j[:, None]))
+    rank = tl.sum((ahead & masked[None, :]).to(tl.int32), axis=1)
+    n_masked = tl.sum(masked.to(tl.int32), axis=0)
+    if TOP_K:
+        quota = tl.minimum(tl.maximum(tl.load(quota_ptr + row).to(tl.int32), 1), n_masked)
+        commit = masked & (rank < quota)
+    else:
+        commit = masked & ((conf >= threshold) | (rank == 0))
+    x0 = tl.load(x0_ptr + row * n_slots + j, mask=inb, other=0)
+    old = tl.load(x_ptr + row * x_stride + j, mask=inb, other=0)
+    tl.store(x_ptr + row * x_stride + j, tl.where(commit, x0, old), mask=inb)
+    tl.store(commit_ptr + row * n_slots + j, commit.to(tl.int8), mask=inb)

@@ -36,7 +36,9 @@ _GPU = {
 ARCH_TABLE = {
     "sm_80": dict(_GPU, attn_warps=8),  # 4 warps spill 204 B in attention (ptxas, head_dim 128)
     "sm_90": dict(_GPU, attn_warps=8),
-    "interpret": dict(_GPU, warps_per_4k=1, elementwise_block=2048, attn_warps=1, gemm_warps=1, **INTERPRETER_PARALLELISM),
+    "interpret": dict(
+        _GPU, warps_per_4k=1, elementwise_block=2048, attn_warps=1, gemm_warps=1, **INTERPRETER_PARALLELISM
+    ),
 }
 
 

@@ -7,10 +7,9 @@ from collections.abc import Callable
 
 import torch
 import triton
-from dinfer_rt.ir import ops
 from dinfer_rt.backends.cuda import kernels as kern
 from dinfer_rt.backends.cuda.launch import attention_config, row_config
-
+from dinfer_rt.ir import ops
 
 KERNELS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "lm_head_confidence", "attention", "router", "moe")
 
@@ -29,6 +28,31 @@ def first_allowed_block(key_valid: torch.Tensor, key_pos: torch.Tensor, block_si
     first = torch.where(key_valid, key_pos[None, :], none).amin(-1)
     lowest = first // block_size if block_size is not None else torch.zeros_like(first)
     return torch.where(first == none, none, lowest).contiguous()
+
+
+def commit(conf, masked, quota, x0, x_block, *, rule: str, threshold: float = 0.9):
+    """Device-side commit selection for one block: ``rule`` "top_k" (commit ``quota`` [B] best
+    masked slots) or "threshold" (>= ``threshold``, at least the best). Writes the committed
+    candidates ``x0`` into ``x_block`` (a [B, L] view of the sequence) and returns the [B, L]
+    commit mask; no host sync."""
+    b, n = conf.shape
+    if x_block.stride(-1) != 1:
+        raise ValueError(f"cuda commit: the block view must have unit stride in L, got {x_block.stride()}")
+    out = torch.empty((b, n), dtype=torch.int8, device=conf.device)
+    kern.commit_kernel[(b,)](
+        conf.float().contiguous(),
+        masked.contiguous(),
+        quota.contiguous(),
+        x0.contiguous(),
+        x_block,
+        out,
+        n,
+        x_block.stride(0),
+        float(threshold),
+        TOP_K=rule == "top_k",
+        BLOCK_L=max(16, triton.next_power_of_2(n)),
+    )
+    return out.bool()
 
 
 def make_kernels(tuning: dict, interpret: bool, launch_config: Callable[[str], dict]) -> dict[str, Callable]:
@@ -143,17 +167,16 @@ def make_kernels(tuning: dict, interpret: bool, launch_config: Callable[[str], d
             return out, k_cache, v_cache
         return out
 
-    def rope_attention(
-        q, k, v, key_valid, token_index, positions, q_norm, k_norm, k_cache, v_cache, *, scale, block_size, theta,
-        rotary_dim, eps,
-    ):
-        """QK-norm and RoPE through their Triton kernels, then the flash kernel (3 launches per
-        tensor instead of the reference's decomposition)."""
+    def rope_attention(q, k, v, key_valid, token_index, positions, q_norm, k_norm, k_cache, v_cache, **attrs):
+        """QK-norm and RoPE through their Triton kernels, then the flash kernel (the IR op's
+        attributes: scale, block_size, theta, rotary_dim, eps)."""
         if q_norm is not None:
-            q, k = rms_norm(q, q_norm, eps=eps), rms_norm(k, k_norm, eps=eps)
-        q = rope(q, positions, theta=theta, rotary_dim=rotary_dim)
-        k = rope(k, positions, theta=theta, rotary_dim=rotary_dim)
-        return attention(q, k, v, key_valid, token_index, k_cache, v_cache, scale=scale, block_size=block_size)
+            q, k = rms_norm(q, q_norm, eps=attrs["eps"]), rms_norm(k, k_norm, eps=attrs["eps"])
+        rot = {"theta": attrs["theta"], "rotary_dim": attrs["rotary_dim"]}
+        q, k = rope(q, positions, **rot), rope(k, positions, **rot)
+        return attention(
+            q, k, v, key_valid, token_index, k_cache, v_cache, scale=attrs["scale"], block_size=attrs["block_size"]
+        )
 
     def router(logits, bias, *, k, renormalize, sigmoid, n_group=1, topk_group=1, scale=1.0):
         lc = logits.float().contiguous()  # fp32 router logits, as the reference
@@ -163,20 +186,31 @@ def make_kernels(tuning: dict, interpret: bool, launch_config: Callable[[str], d
         idx = torch.empty((*lc.shape[:-1], k), dtype=torch.int64, device=lc.device)
         block_e = triton.next_power_of_2(n_exp)
         cfg = {**tuned["router"], "ROWS": max(1, min(tuned["router"]["ROWS"], tuning["router_elems"] // block_e))}
+        group = {"GROUPS": n_group, "GP": triton.next_power_of_2(n_group), "TOPK_GROUP": topk_group}
         kern.router_kernel[(triton.cdiv(rows, cfg["ROWS"]),)](
-            lc, lc if bias is None else bias.float().contiguous(), w, idx, rows, n_exp, float(scale),
-            SIGMOID=sigmoid, K=k, KP=triton.next_power_of_2(k), GROUPS=n_group, GP=triton.next_power_of_2(n_group), TOPK_GROUP=topk_group,
-            RENORMALIZE=renormalize, BLOCK_E=block_e, **cfg,
-        )  # fmt: skip
+            lc,
+            lc if bias is None else bias.float().contiguous(),
+            w,
+            idx,
+            rows,
+            n_exp,
+            float(scale),
+            SIGMOID=sigmoid,
+            K=k,
+            KP=triton.next_power_of_2(k),
+            RENORMALIZE=renormalize,
+            BLOCK_E=block_e,
+            **group,
+            **cfg,
+        )
         return w, idx
 
     def router_softmax_topk(logits, *, k, renormalize):
         return router(logits, None, k=k, renormalize=renormalize, sigmoid=False)
 
     def router_sigmoid_grouped(logits, bias, *, k, n_group, topk_group, renormalize, scale):
-        return router(
-            logits, bias, k=k, renormalize=renormalize, sigmoid=True, n_group=n_group, topk_group=topk_group, scale=scale
-        )
+        group = {"n_group": n_group, "topk_group": topk_group, "scale": scale}
+        return router(logits, bias, k=k, renormalize=renormalize, sigmoid=True, **group)
 
     def moe_experts(x, weights, indices, w_gate_up, w_down):
         """Expert-sorted slots padded per expert to whole tiles, built on the device with no host
@@ -212,7 +246,9 @@ def make_kernels(tuning: dict, interpret: bool, launch_config: Callable[[str], d
         kern.moe_gate_up_kernel[grid](flat, w_gate_up.contiguous(), h, tok, tile_expert, hidden, inter, **cfg, **common)
         y = torch.empty((n_pad, hidden), dtype=torch.float32, device=x.device)
         grid = (n_pad // bm, triton.cdiv(hidden, cfg["BLOCK_N"]))
-        kern.moe_down_kernel[grid](h, w_down.contiguous(), y, tok, row_weight, tile_expert, hidden, inter, **cfg, **common)
+        kern.moe_down_kernel[grid](
+            h, w_down.contiguous(), y, tok, row_weight, tile_expert, hidden, inter, **cfg, **common
+        )
         return y[slot_row.view(n, top)].sum(1).to(x.dtype).reshape(x.shape)
 
     def moe_routed(x, router_w, expert_bias, w_gate_up, w_down, *, router, **router_attrs):

@@ -9,6 +9,7 @@ import re
 
 from dinfer_rt.backends.cuda.aot import build, kernel_specs, report_row
 from dinfer_rt.backends.rocm_dcu import tuning
+
 from dinfer_rt.errors import BackendError
 
 
@@ -22,8 +23,9 @@ def compile_hip(arch: str) -> list[dict]:
     if arch in tuning.DTK_ONLY:
         rec = tuning.record(arch)
         raise BackendError(
-            f"{target} ({rec.products}) is not an upstream Triton target: compile it with Hygon's DTK build of "
-            f"Triton on a DTK machine (ROCM_PATH=/opt/dtk); upstream Triton here compiles {', '.join(tuning.COMPILABLE)}"
+            f"{target} ({rec.products}) is not an upstream Triton target: compile it with Hygon's DTK build "
+            f"of Triton on a DTK machine (ROCM_PATH=/opt/dtk); upstream Triton here compiles "
+            f"{', '.join(tuning.COMPILABLE)}"
         )
     if arch not in tuning.COMPILABLE:
         known = ", ".join(f"rocm_dcu:{a}" for a in tuning.ARCHS)

@@ -25,7 +25,7 @@ class Identity:
 
 
 def vendor_tool(which: Callable[[str], str | None]) -> str | None:
-    """"hygon" when ``hy-smi`` is on PATH, "amd" when only ``rocm-smi`` is, else None."""
+    """ "hygon" when ``hy-smi`` is on PATH, "amd" when only ``rocm-smi`` is, else None."""
     if which("hy-smi"):
         return "hygon"
     if which("rocm-smi"):

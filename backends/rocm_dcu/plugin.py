@@ -14,10 +14,10 @@ import shutil
 from collections.abc import Mapping
 
 import torch
-
-from dinfer_rt.backend import Availability, Backend, Capabilities
 from dinfer_rt.backends.cuda.plugin import interpreting, triton_kernels, triton_version
 from dinfer_rt.backends.rocm_dcu import detect, tuning
+
+from dinfer_rt.backend import Availability, Backend, Capabilities
 from dinfer_rt.executor import Kernel
 from dinfer_rt.plugins import hookimpl
 

@@ -31,7 +31,9 @@ ARCHS: dict[str, ArchRecord] = {
     "gfx928": ArchRecord("gfx928", "hygon", "Hygon K100_AI / K500SM_AI", 65536, ("fp16", "bf16"), True, False, False),
     "gfx936": ArchRecord("gfx936", "hygon", "Hygon BW1000 / BW1100", 65536, ("fp16", "bf16"), True, False, False),
     "gfx90a": ArchRecord("gfx90a", "amd", "AMD Instinct MI210/MI250(X)", 65536, ("fp16", "bf16"), True, True),
-    "gfx942": ArchRecord("gfx942", "amd", "AMD Instinct MI300X/MI300A/MI325X", 65536, ("fp16", "bf16", "fp8"), True, True),
+    "gfx942": ArchRecord(
+        "gfx942", "amd", "AMD Instinct MI300X/MI300A/MI325X", 65536, ("fp16", "bf16", "fp8"), True, True
+    ),
 }
 DEFAULT_ARCH = {"hygon": "gfx936", "amd": "gfx942"}
 COMPILABLE = tuple(a for a, r in ARCHS.items() if r.upstream_triton)

@@ -35,7 +35,9 @@ def npu_rms_norm(self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06
     """-> (y, rstd); rstd is fp32 (RmsNorm IR: OUTPUT rstd DT_FLOAT)."""
     _float16ish("npu_rms_norm", self, gamma)
     _need(gamma.dtype == self.dtype, "npu_rms_norm", "gamma must have self's dtype")
-    _need(self.shape[-gamma.dim() :] == gamma.shape, "npu_rms_norm", f"gamma {tuple(gamma.shape)} vs {tuple(self.shape)}")
+    _need(
+        self.shape[-gamma.dim() :] == gamma.shape, "npu_rms_norm", f"gamma {tuple(gamma.shape)} vs {tuple(self.shape)}"
+    )
     x = self.float()
     rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + epsilon)
     return ((x * rstd).to(self.dtype) * gamma).to(self.dtype), rstd
@@ -139,7 +141,11 @@ def _attend(query, key, value, atten_mask, num_heads, kv_heads, scale, input_lay
         m = atten_mask.bool()
         if m.dim() == 3:
             m = m[:, None]
-        _need(m.dim() in (2, 4) and m.shape[-2:] == scores.shape[-2:], op, f"atten_mask {tuple(atten_mask.shape)} vs scores {tuple(scores.shape)}")
+        _need(
+            m.dim() in (2, 4) and m.shape[-2:] == scores.shape[-2:],
+            op,
+            f"atten_mask {tuple(atten_mask.shape)} vs scores {tuple(scores.shape)}",
+        )
         scores = scores.masked_fill(m, float("-inf"))
     probs = scores.softmax(-1).nan_to_num(0.0)
     out = torch.matmul(probs, v.float().repeat_interleave(rep, 1)).to(query.dtype)
@@ -242,5 +248,3 @@ def install(monkeypatch) -> object:
     module = sys.modules[__name__]
     monkeypatch.setitem(sys.modules, "torch_npu", module)
     return module
-
-
