@@ -17,7 +17,11 @@ DINFER_DUMP_IR = "DINFER_DUMP_IR"
 DINFER_DISABLE_PASSES = "DINFER_DISABLE_PASSES"
 """Comma-separated pass names to skip (bisection of a miscompile)."""
 DINFER_INTERPRET = "DINFER_INTERPRET"
-"""``1``: the ``cuda`` backend runs its Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``."""
+"""``1``: the Triton backends run their kernels on CPU tensors under ``TRITON_INTERPRET=1``."""
+DINFER_AUTOTUNE = "DINFER_AUTOTUNE"
+"""``1``: Triton backends time candidate launch configurations once per shape bucket and cache the winner."""
+DINFER_TUNING_CACHE = "DINFER_TUNING_CACHE"
+"""Folder of the autotuning cache; unset means ``~/.cache/dinfer_rt/tuning``."""
 DINFER_MODEL = "DINFER_MODEL"
 """Default model folder for the CLI and ``LLM()``; unset means the embedded model."""
 
@@ -28,6 +32,9 @@ ALL = (
     DINFER_TRACE_PLUGINS,
     DINFER_DUMP_IR,
     DINFER_DISABLE_PASSES,
+    DINFER_INTERPRET,
+    DINFER_AUTOTUNE,
+    DINFER_TUNING_CACHE,
     DINFER_MODEL,
 )
 

@@ -321,8 +321,9 @@ def test_unknown_compile_target_is_a_clean_error():
 def test_commit_selection_kernel_matches_the_rules(cuda, rule, slots):
     """The device-side decisions equal strategies' low_confidence (rank-masked top-k with the
     schedule's quota) and threshold (with the at-least-one rule), and write the block in place."""
-    from dinfer_rt import strategies
     from dinfer_rt.backends.cuda.ops import commit
+
+    from dinfer_rt import strategies
 
     g = torch.Generator().manual_seed(slots)
     b = 5
@@ -338,3 +339,57 @@ def test_commit_selection_kernel_matches_the_rules(cuda, rule, slots):
     assert torch.equal(got, want)
     assert torch.equal(seq[:, 4 : 4 + slots], torch.where(want, want_x0, -1))
     assert (seq[:, :4] == -1).all() and (seq[:, 4 + slots :] == -1).all()
+
+
+def test_autotuner_times_once_and_remembers_on_disk(tmp_path):
+    from dinfer_rt.backends.cuda.autotune import Autotuner
+
+    ticks = iter(range(10_000))
+    speed = {16: 3.0, 32: 1.0, 64: 2.0}  # fake seconds per run: 32 wins
+    clock_state = {"t": 0.0}
+
+    def run(cfg):
+        clock_state["t"] += speed[cfg["BLOCK_N"]]
+
+    def clock():
+        next(ticks)
+        return clock_state["t"]
+
+    cands = [{"BLOCK_N": n} for n in (16, 32, 64)]
+    versions = {"triton": "3.9.0", "torch": "2.13.0"}
+    tuner = Autotuner("sm_90", versions, tmp_path, clock=clock, iters=3)
+    assert tuner.best("attention", (32, 1024, 128, 4, "bf16"), cands, run) == {"BLOCK_N": 32}
+    assert tuner.measured == 3
+    again = Autotuner("sm_90", versions, tmp_path, clock=clock)
+    assert again.best("attention", (32, 1024, 128, 4, "bf16"), cands, run) == {"BLOCK_N": 32}
+    assert again.measured == 0  # read from disk, nothing timed
+    entry = again.entries["attention|32x1024x128x4xbf16"]
+    assert entry["candidates"] == 3 and entry["ms"] == pytest.approx(1000.0)
+    upgraded = Autotuner("sm_90", {**versions, "triton": "3.10.0"}, tmp_path, clock=clock)
+    assert upgraded.entries == {}  # another Triton: a fresh cache file
+    (tmp_path / again.path.name).write_text("{not json")
+    with pytest.raises(ValueError, match="autotuning cache .* is unreadable"):
+        Autotuner("sm_90", versions, tmp_path)
+
+
+def test_autotuned_attention_is_correct_and_cached(monkeypatch, tmp_path):
+    import json
+
+    monkeypatch.setenv("DINFER_INTERPRET", "1")
+    monkeypatch.setenv("DINFER_AUTOTUNE", "1")
+    monkeypatch.setenv("DINFER_TUNING_CACHE", str(tmp_path))
+    plugins.registry.cache_clear()
+    k = plugins.select_backend("cuda").kernels()
+    q, key, v = (torch.randn(1, 5, 2, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    valid, idx = torch.ones(1, 5, dtype=torch.bool), torch.arange(5)
+    close(
+        k["attention"](q, key, v, valid, idx, scale=0.25),
+        ops.attention(q, key, v, valid, idx, scale=0.25),
+        torch.float32,
+    )
+    (cache,) = tmp_path.glob("interpret-*.json")
+    entries = json.loads(cache.read_text())["entries"]
+    (name,) = entries
+    assert (
+        name == "attention|8x8x16x1xtorch.float32xFalse" and entries[name]["candidates"] == 6
+    )  # T, S, D, GQA, dtype, causal

@@ -130,6 +130,31 @@ def make_kernels(npu, fallback: Callable[[str, str], None], vector_cores: int, i
 
         k["router_sigmoid_grouped"] = router_sigmoid_grouped
 
+    if all(has(n) for n in ("npu_moe_init_routing", "npu_grouped_matmul", "npu_moe_finalize_routing", "npu_swiglu")):
+
+        def moe_experts(x, weights, indices, w_gate_up, w_down):
+            n_exp, hidden = w_gate_up.shape[0], x.shape[-1]
+            if n_exp > 128:  # npu_grouped_matmul takes at most 128 weights per call
+                fallback("moe_experts", f"npu_grouped_matmul takes <= 128 groups, the model has {n_exp} experts")
+                return ops.moe_experts(x, weights, indices, w_gate_up, w_down)
+            flat = x.reshape(-1, hidden)
+            rows, top = flat.shape[0], indices.shape[-1]
+            expert = indices.reshape(rows, top).to(torch.int32)
+            # row_idx as npu_moe_gating_top_k_softmax returns it: slot (r, j) -> r + j * rows
+            row_idx = (torch.arange(rows)[:, None] + torch.arange(top)[None, :] * rows).to(torch.int32).to(x.device)
+            ex, ex_row, _ = npu.npu_moe_init_routing(flat, row_idx, expert, rows)
+            # group_list: cumulative row ends per expert (a host int list in the documented signature)
+            ends = torch.bincount(expert.flatten().long(), minlength=n_exp).cumsum(0).tolist()
+            # weights are [E, out, in]: the operator takes [K, N] = transposed views
+            gu = npu.npu_grouped_matmul([ex], [w.t() for w in w_gate_up], group_list=ends, split_item=3)[0]
+            h = npu.npu_swiglu(gu, dim=-1)
+            y = npu.npu_grouped_matmul([h], [w.t() for w in w_down], group_list=ends, split_item=3)[0]
+            scales = weights.reshape(rows, top).to(y.dtype)  # the operator wants the rows' dtype
+            out = npu.npu_moe_finalize_routing(y, None, None, None, scales, ex_row, expert, 0)
+            return out.reshape(x.shape)
+
+        k["moe_experts"] = moe_experts
+
     k.update(_triton_kernels(vector_cores, interpret))
     return k
 

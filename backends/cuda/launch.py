@@ -42,6 +42,12 @@ ARCH_TABLE = {
 }
 
 
+# What DINFER_AUTOTUNE=1 tries on top of a row's defaults (timed once per shape bucket, cached).
+AUTOTUNE_SPACE = {
+    "attention": [{"BLOCK_N": n, "num_warps": w} for n in (16, 32, 64) for w in (4, 8)],
+}
+
+
 def table(arch: str | None) -> dict:
     return ARCH_TABLE.get(arch or "sm_90", ARCH_TABLE["sm_90"])
 

@@ -8,7 +8,8 @@ from collections.abc import Callable
 import torch
 import triton
 from dinfer_rt.backends.cuda import kernels as kern
-from dinfer_rt.backends.cuda.launch import attention_config, row_config
+from dinfer_rt.backends.cuda.autotune import Autotuner
+from dinfer_rt.backends.cuda.launch import AUTOTUNE_SPACE, attention_config, row_config
 from dinfer_rt.ir import ops
 
 KERNELS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "lm_head_confidence", "attention", "router", "moe")
@@ -55,10 +56,13 @@ def commit(conf, masked, quota, x0, x_block, *, rule: str, threshold: float = 0.
     return out.bool()
 
 
-def make_kernels(tuning: dict, interpret: bool, launch_config: Callable[[str], dict]) -> dict[str, Callable]:
+def make_kernels(
+    tuning: dict, interpret: bool, launch_config: Callable[[str], dict], tuner: Autotuner | None = None
+) -> dict[str, Callable]:
     """IR op -> wrapper for one architecture's tuning row. ``launch_config(kernel)`` (the row's
     defaults + plugin overrides) is read once here, not per call. ``interpret``: the kernels run
-    under Triton's interpreter (16-bit dot tiles are widened to fp32 there, see kernels._round)."""
+    under Triton's interpreter (16-bit dot tiles are widened to fp32 there, see kernels._round).
+    ``tuner`` (DINFER_AUTOTUNE=1): attention tiles are timed once per shape bucket and cached."""
     tuned = {name: launch_config(name) for name in KERNELS}
 
     def row(name: str, n: int) -> dict:
@@ -139,30 +143,20 @@ def make_kernels(tuning: dict, interpret: bool, launch_config: Callable[[str], d
         _need_inner_contiguous("attention", keys, values)
         b, t, heads, d = qc.shape
         out = torch.empty_like(qc)
+        args = (qc, keys, values, out, key_valid.contiguous(), first_allowed_block(key_valid, key_pos, block_size))
+        args += (token_index.contiguous(), key_pos.contiguous(), t, keys.shape[1], heads, heads // keys.shape[2], d)
+        args += (scale, block_size or 1, keys.stride(0), keys.stride(1))
+
+        def launch(cfg: dict) -> None:
+            grid = (triton.cdiv(t, cfg["BLOCK_M"]), b * triton.cdiv(heads, cfg["HEADS"]))
+            kern.attention_kernel[grid](*args, BLOCK_CAUSAL=block_size is not None, DOT_F32=interpret, **cfg)
+
         cfg = {**attention_config(t, d, tuning), **tuned["attention"]}
-        grid = (triton.cdiv(t, cfg["BLOCK_M"]), b * triton.cdiv(heads, cfg["HEADS"]))
-        kern.attention_kernel[grid](
-            qc,
-            keys,
-            values,
-            out,
-            key_valid.contiguous(),
-            first_allowed_block(key_valid, key_pos, block_size),
-            token_index.contiguous(),
-            key_pos.contiguous(),
-            t,
-            keys.shape[1],
-            heads,
-            heads // keys.shape[2],
-            d,
-            scale,
-            block_size or 1,
-            keys.stride(0),
-            keys.stride(1),
-            BLOCK_CAUSAL=block_size is not None,
-            DOT_F32=interpret,
-            **cfg,
-        )
+        if tuner is not None:
+            bucket = (triton.next_power_of_2(t), triton.next_power_of_2(keys.shape[1]), d, args[11], qc.dtype)
+            cands = [{**cfg, **c} for c in AUTOTUNE_SPACE["attention"]]
+            cfg = tuner.best("attention", (*bucket, block_size is not None), cands, launch)
+        launch(cfg)
         if k_cache is not None:
             return out, k_cache, v_cache
         return out

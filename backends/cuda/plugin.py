@@ -23,9 +23,10 @@ def interpreting() -> bool:
     return envs.flag(envs.DINFER_INTERPRET)
 
 
-def triton_kernels(backend: str, tuning: dict, launch_config) -> Mapping[str, Kernel]:
+def triton_kernels(backend: Backend, tuning: dict) -> Mapping[str, Kernel]:
     """The shared Triton kernels for one tuning row (cuda and rocm_dcu), or none without triton.
-    In interpreter mode, checks that triton was imported after TRITON_INTERPRET=1 was set."""
+    In interpreter mode, checks that triton was imported after TRITON_INTERPRET=1 was set.
+    With DINFER_AUTOTUNE=1 an on-disk autotuner keyed by arch and versions is attached."""
     if importlib.util.find_spec("triton") is None:
         return {}
     if interpreting():
@@ -38,12 +39,21 @@ def triton_kernels(backend: str, tuning: dict, launch_config) -> Mapping[str, Ke
             from dinfer_rt.errors import BackendError
 
             raise BackendError(
-                f"{backend}: DINFER_INTERPRET=1 but triton was imported before TRITON_INTERPRET=1 was set; "
+                f"{backend.name}: DINFER_INTERPRET=1 but triton was imported before TRITON_INTERPRET=1 was set; "
                 "set DINFER_INTERPRET=1 (or TRITON_INTERPRET=1) in the environment before starting Python"
             )
     from dinfer_rt.backends.cuda.ops import make_kernels
 
-    return make_kernels(tuning, interpreting(), launch_config)
+    tuner = None
+    if envs.flag(envs.DINFER_AUTOTUNE):
+        from dinfer_rt.backends.cuda.autotune import Autotuner
+
+        sync = (lambda: None) if interpreting() else torch.cuda.synchronize
+        from dinfer_rt import __version__
+
+        versions = {**backend.versions(), "dinfer_rt": __version__}
+        tuner = Autotuner(backend.arch or "unknown", versions, sync=sync)
+    return make_kernels(tuning, interpreting(), backend.launch_config, tuner)
 
 
 def triton_version() -> str:
@@ -86,7 +96,7 @@ class CudaBackend(Backend):
         if self.arch is None and not interpreting() and torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability()
             self.arch = f"sm_{major}{minor}"
-        return triton_kernels(self.name, self.tuning(), self.launch_config)
+        return triton_kernels(self, self.tuning())
 
     def tuning(self) -> dict:
         """This arch's tuning row (unknown archs get the sm_90 row)."""

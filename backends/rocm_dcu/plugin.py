@@ -93,7 +93,7 @@ class RocmDcuBackend(Backend):
 
     def kernels(self) -> Mapping[str, Kernel]:
         self.identify()
-        return triton_kernels(self.name, self.tuning(), self.launch_config)
+        return triton_kernels(self, self.tuning())
 
     def tuning(self) -> dict:
         """The arch's wave64 row; under the interpreter, with its rows/heads per program raised

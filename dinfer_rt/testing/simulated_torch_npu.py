@@ -243,6 +243,85 @@ def npu_moe_gating_top_k(
     return y.to(x.dtype), idx.to(torch.int32), (s if out_flag else None)
 
 
+def npu_moe_init_routing(
+    x: torch.Tensor, row_idx: torch.Tensor, expert_idx: torch.Tensor, active_num: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (expanded_x, expanded_row_idx, expanded_expert_idx): (expert_idx, row_idx) sorted by
+    expert (stable); expanded_row_idx[sorted_row_idx[i]] = i; expanded_x[i] = x[sorted_row_idx[i] % rows]."""
+    op = "npu_moe_init_routing"
+    _need(x.dim() == 2 and expert_idx.dim() == 2, op, "x and expert_idx must be 2-D")
+    _need(row_idx.shape == expert_idx.shape, op, "row_idx must match expert_idx")
+    _need(row_idx.dtype == torch.int32 and expert_idx.dtype == torch.int32, op, "row_idx/expert_idx must be int32")
+    _float16ish(op, x)
+    rows, k = expert_idx.shape
+    order = torch.argsort(expert_idx.flatten(), stable=True)
+    sorted_row = row_idx.flatten()[order].long()
+    expanded_row_idx = torch.empty(rows * k, dtype=torch.int32)
+    expanded_row_idx[sorted_row] = torch.arange(rows * k, dtype=torch.int32)
+    expanded_x = x[sorted_row % rows][: min(rows, active_num) * k]
+    return expanded_x, expanded_row_idx, expert_idx.flatten()[order]
+
+
+def npu_grouped_matmul(
+    x: list[torch.Tensor],
+    weight: list[torch.Tensor],
+    *,
+    bias=None,
+    scale=None,
+    offset=None,
+    antiquant_scale=None,
+    antiquant_offset=None,
+    group_list: list[int] | None = None,
+    split_item: int = 0,
+    output_dtype=None,
+) -> list[torch.Tensor]:
+    """Grouped matmuls y_i = x_i @ weight_i ([M_i, K] @ [K, N]). split_item 3: x and y are one
+    tensor each, split along M by ``group_list`` (cumulative row ends, one per weight)."""
+    op = "npu_grouped_matmul"
+    _need(isinstance(x, list) and isinstance(weight, list), op, "x and weight are lists of tensors")
+    _need(len(weight) <= 128, op, f"at most 128 groups, got {len(weight)}")
+    _need(bias is None and scale is None and offset is None and antiquant_scale is None, op, "not simulated")
+    for w in weight:
+        _need(w.dim() == 2, op, "each weight must be 2-D [K, N]")
+        _float16ish(op, w)
+    if split_item == 0:
+        _need(len(x) == len(weight), op, "split_item 0 takes one x per weight")
+        return [xi @ wi for xi, wi in zip(x, weight)]
+    _need(split_item == 3 and len(x) == 1, op, "only split_item 0 and 3 are simulated")
+    _need(group_list is not None and len(group_list) == len(weight), op, "group_list needs one end per weight")
+    ends = list(group_list)
+    _need(all(a <= b for a, b in zip([0, *ends], ends)) and ends[-1] <= x[0].shape[0], op, f"group_list {ends}")
+    starts = [0, *ends[:-1]]
+    return [torch.cat([x[0][a:b] @ w for a, b, w in zip(starts, ends, weight)], 0)]
+
+
+def npu_moe_finalize_routing(
+    expanded_permuted_rows: torch.Tensor,
+    skip1: torch.Tensor | None,
+    skip2: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    scales: torch.Tensor | None,
+    expanded_src_to_dst_row: torch.Tensor,
+    export_for_source_row: torch.Tensor | None,
+    drop_pad_mode: int = 0,
+) -> torch.Tensor:
+    """out[i] = skip1[i] + skip2[i] + sum_k scales[i, k] * (rows[src_to_dst[i + k * R]] + bias[expert[i, k]])."""
+    op = "npu_moe_finalize_routing"
+    _need(drop_pad_mode == 0, op, "only drop_pad_mode 0")
+    _need(expanded_src_to_dst_row.dtype == torch.int32, op, "expanded_src_to_dst_row must be int32")
+    _need(scales is not None and scales.dtype == expanded_permuted_rows.dtype, op, "scales must have the rows' dtype")
+    rows, k = scales.shape
+    dst = expanded_src_to_dst_row.long().view(k, rows).t()  # [R, K]: slot (i, k) at i + k * R
+    picked = expanded_permuted_rows.float()[dst]  # [R, K, H]
+    if bias is not None:
+        picked = picked + bias.float()[export_for_source_row.long()]
+    out = (picked * scales.float()[..., None]).sum(1)
+    for skip in (skip1, skip2):
+        if skip is not None:
+            out = out + skip.float()
+    return out.to(expanded_permuted_rows.dtype)
+
+
 def install(monkeypatch) -> object:
     """Put this module in ``sys.modules['torch_npu']`` for one test (pytest monkeypatch)."""
     module = sys.modules[__name__]
