@@ -20,6 +20,8 @@ DINFER_INTERPRET = "DINFER_INTERPRET"
 """``1``: the Triton backends run their kernels on CPU tensors under ``TRITON_INTERPRET=1``."""
 DINFER_AUTOTUNE = "DINFER_AUTOTUNE"
 """``1``: Triton backends time candidate launch configurations once per shape bucket and cache the winner."""
+DINFER_GRAPHS = "DINFER_GRAPHS"
+"""``1``: ``cuda`` (CUDA graphs) and ``ascend`` (ACL graphs) capture each forward shape and replay it."""
 DINFER_TUNING_CACHE = "DINFER_TUNING_CACHE"
 """Folder of the autotuning cache; unset means ``~/.cache/dinfer_rt/tuning``."""
 DINFER_MODEL = "DINFER_MODEL"
@@ -34,6 +36,7 @@ ALL = (
     DINFER_DISABLE_PASSES,
     DINFER_INTERPRET,
     DINFER_AUTOTUNE,
+    DINFER_GRAPHS,
     DINFER_TUNING_CACHE,
     DINFER_MODEL,
 )

@@ -182,3 +182,23 @@ def test_moe_experts_through_init_routing_grouped_matmul_finalize(ascend, dtype)
     want = ops.moe_experts(x.double(), w.double(), idx, gate_up.double(), down.double())
     err = ((got.double() - want).abs().max() / want.abs().max()).item()
     assert err <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_acl_graphs_are_wired_through_torch_npu(ascend, ckpt_dir, monkeypatch):
+    """DINFER_GRAPHS=1 on the npu device wraps executables in the graph cache with torch.npu's
+    NPUGraph (the capture itself needs an NPU; its bookkeeping is tested with the cuda backend)."""
+    import types
+
+    from dinfer_rt.backends.cuda.graphs import GraphedExecutable
+
+    model = dinfer_rt.load_model(ckpt_dir("llada"), backend="ascend", dtype="bfloat16")
+    exe = model.executable(True)
+    fake_npu = types.SimpleNamespace(NPUGraph=type("NPUGraph", (), {}))
+    monkeypatch.setattr(torch, "npu", fake_npu, raising=False)
+    monkeypatch.setenv("DINFER_GRAPHS", "1")
+    monkeypatch.setattr(ascend, "device_type", "npu")
+    graphed = ascend.compile(exe.graph, model.weights)
+    assert isinstance(graphed, GraphedExecutable) and graphed.graphs.api.graph_cls is fake_npu.NPUGraph
+    assert graphed.graphs.pinned == {f"{kv}_cache.{i}" for kv in "kv" for i in range(model.spec.n_layers)}
+    monkeypatch.setenv("DINFER_GRAPHS", "0")
+    assert not isinstance(ascend.compile(exe.graph, model.weights), GraphedExecutable)

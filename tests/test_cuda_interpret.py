@@ -393,3 +393,56 @@ def test_autotuned_attention_is_correct_and_cached(monkeypatch, tmp_path):
     assert (
         name == "attention|8x8x16x1xtorch.float32xFalse" and entries[name]["candidates"] == 6
     )  # T, S, D, GQA, dtype, causal
+
+
+class _ReplayByRerun:
+    """CPU stand-in for torch.cuda graphs: capture runs the function once (as warm-up does) and
+    keeps its outputs as the static buffers; replay re-runs it and copies into those buffers."""
+
+    def __init__(self):
+        self.captured = 0
+
+    def capture(self, fn, warmup):
+        for _ in range(warmup):
+            fn()
+        self.captured += 1
+        outputs = fn()
+
+        class Graph:
+            def replay(self):
+                for name, t in fn().items():
+                    outputs[name].copy_(t)
+
+        return Graph(), outputs
+
+
+def test_graphed_forward_replays_with_static_buffers_and_recaptures_on_new_shapes(cuda, ckpt_dir):
+    """The graph bookkeeping on the CPU: one capture per input signature, inputs copied into
+    static buffers, KV caches bound by address (a new cache is a new capture), results equal to
+    the eager executable, outputs overwritten in place by the next replay."""
+    from dinfer_rt.backends.cuda.graphs import GraphedExecutable, mutated_inputs
+
+    model = dinfer_rt.load_model(ckpt_dir("llada"), backend="cuda")
+    eager = model.executable(True)
+    assert mutated_inputs(eager) == {f"{kv}_cache.{i}" for kv in "kv" for i in range(model.spec.n_layers)}
+    api = _ReplayByRerun()
+    graphed = GraphedExecutable(eager, api)
+    model._compiled[(True, None, "logits", "")] = graphed
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 60, (2, 12), generator=g)
+    cache, ref_cache = model.new_cache(2, 12), model.new_cache(2, 12)
+    blk = torch.arange(8, 12)
+    first = model.forward(ids, cache=cache).clone()
+    torch.testing.assert_close(first, eager(model._inputs(ids, None, ref_cache, None)[0])["logits"])
+    out1 = model.forward(ids, cache=cache, compute=blk)
+    keep = out1.clone()
+    ids2 = ids.clone()
+    ids2[:, 9] = 3
+    out2 = model.forward(ids2, cache=cache, compute=blk)
+    assert api.captured == 2 and graphed.graphs.captures == 2  # the full refresh and the block step
+    assert out2.data_ptr() == out1.data_ptr()  # static output buffer, overwritten by the replay
+    # the reference cache holds ids' K/V, as the graphed one did before this step
+    torch.testing.assert_close(out2, eager(model._inputs(ids2, None, ref_cache, blk)[0])["logits"])
+    assert not torch.equal(keep, out2)
+    model.forward(ids, cache=model.new_cache(2, 12), compute=blk)  # another cache: another address
+    assert api.captured == 3

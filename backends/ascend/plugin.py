@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from dinfer_rt.backend import Availability, Backend, Capabilities
+from dinfer_rt.envs import DINFER_GRAPHS, DINFER_INTERPRET, flag
 from dinfer_rt.plugins import hookimpl
 
 CANN_HOME_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")
@@ -72,7 +73,7 @@ class AscendBackend(Backend):
             "ai_cores": self.AI_CORES,
             "vector_cores": self.VECTOR_CORES,
             "unified_buffer_bytes": 192 * 1024,
-            "graph_capture": "ACL graph (not wired yet)",
+            "graph_capture": "ACL graph via torch.npu.NPUGraph with DINFER_GRAPHS=1 (unverified on hardware)",
             "collectives": "hccl",
         }
         return Capabilities(dtypes=(torch.float32, torch.bfloat16, torch.float16), alignment_bytes=32, extra=extra)
@@ -83,9 +84,18 @@ class AscendBackend(Backend):
         import torch_npu
         from dinfer_rt.backends.ascend.ops import make_kernels
 
-        from dinfer_rt.envs import DINFER_INTERPRET, flag
+        from dinfer_rt.envs import flag
 
         return make_kernels(torch_npu, self._constraint_fallback, self.VECTOR_CORES, flag(DINFER_INTERPRET))
+
+    def compile(self, graph, weights):
+        """With DINFER_GRAPHS=1, forwards replay ACL graphs captured per shape (torch.npu.NPUGraph)."""
+        exe = super().compile(graph, weights)
+        if flag(DINFER_GRAPHS) and self.device_type == "npu":
+            from dinfer_rt.backends.cuda.graphs import GraphAPI, GraphedExecutable
+
+            return GraphedExecutable(exe, GraphAPI("npu"))
+        return exe
 
     def _constraint_fallback(self, op: str, reason: str) -> None:
         self.constraint_fallbacks[op] = self.constraint_fallbacks.get(op, 0) + 1

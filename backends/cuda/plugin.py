@@ -98,6 +98,15 @@ class CudaBackend(Backend):
             self.arch = f"sm_{major}{minor}"
         return triton_kernels(self, self.tuning())
 
+    def compile(self, graph, weights):
+        """With DINFER_GRAPHS=1 on a GPU, forwards replay captured CUDA graphs per shape."""
+        exe = super().compile(graph, weights)
+        if envs.flag(envs.DINFER_GRAPHS) and not interpreting():
+            from dinfer_rt.backends.cuda.graphs import GraphedExecutable
+
+            return GraphedExecutable(exe)
+        return exe
+
     def tuning(self) -> dict:
         """This arch's tuning row (unknown archs get the sm_90 row)."""
         from dinfer_rt.backends.cuda.launch import table
