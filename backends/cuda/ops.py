@@ -36,6 +36,8 @@ def commit(conf, masked, quota, x0, x_block, *, rule: str, threshold: float = 0.
     masked slots) or "threshold" (>= ``threshold``, at least the best). Writes the committed
     candidates ``x0`` into ``x_block`` (a [B, L] view of the sequence) and returns the [B, L]
     commit mask; no host sync."""
+    if rule not in ("top_k", "threshold"):
+        raise ValueError(f"cuda commit: unknown rule {rule!r} (top_k, threshold)")
     b, n = conf.shape
     if x_block.stride(-1) != 1:
         raise ValueError(f"cuda commit: the block view must have unit stride in L, got {x_block.stride()}")
