@@ -202,3 +202,22 @@ def test_acl_graphs_are_wired_through_torch_npu(ascend, ckpt_dir, monkeypatch):
     assert graphed.graphs.pinned == {f"{kv}_cache.{i}" for kv in "kv" for i in range(model.spec.n_layers)}
     monkeypatch.setenv("DINFER_GRAPHS", "0")
     assert not isinstance(ascend.compile(exe.graph, model.weights), GraphedExecutable)
+
+
+@pytest.mark.parametrize("rule", ["top_k", "threshold"])
+def test_triton_ascend_commit_kernel_matches_the_rules(rule, monkeypatch):
+    """Persistent over 7 rows on a grid of 3 'cores'; equals strategies' low_confidence and
+    threshold rules and writes the block of the sequence in place."""
+    from dinfer_rt import strategies
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(2)
+    b, slots = 7, 21
+    conf, masked = torch.rand(b, slots, generator=g), torch.rand(b, slots, generator=g) < 0.5
+    masked[:, 3] = True
+    quota, x0 = torch.randint(0, 5, (b,), generator=g), torch.randint(0, 50, (b, slots), generator=g)
+    seq = torch.full((b, slots + 4), -1)
+    step = strategies.StepInput(None, masked, quota, 0.0, None, x0=x0, conf=conf)
+    want_x0, want = (strategies.low_confidence if rule == "top_k" else strategies.make_threshold(0.6))(step)
+    got = tk.commit(conf, masked, quota, x0, seq[:, 2 : 2 + slots], rule=rule, vector_cores=3, threshold=0.6)
+    assert torch.equal(got, want) and torch.equal(seq[:, 2 : 2 + slots], torch.where(want, want_x0, -1))

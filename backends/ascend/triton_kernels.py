@@ -97,3 +97,68 @@ def confidence_kernel(
             score = s_sum / z_sum - tl.log(z_sum)
         tl.store(score_ptr + rows, score, mask=rmask)
         tl.store(token_ptr + rows, best.to(tl.int64), mask=rmask)
+
+
+@triton.jit
+def commit_kernel(
+    conf_ptr,
+    masked_ptr,
+    quota_ptr,
+    x0_ptr,
+    x_ptr,
+    commit_ptr,
+    n_rows,
+    n_slots,
+    x_stride,
+    threshold,
+    TOP_K: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    """Commit decisions on the NPU, persistent over rows (grid = vector cores): TOP_K commits the
+    quota best masked slots (ties to the lower index), else slots >= threshold plus the best
+    masked one; committed slots take their candidate in ``x`` in place. The [BLOCK_L, BLOCK_L]
+    rank tile stays far below the UB for block lengths up to 256."""
+    neg = float("-inf")
+    j = tl.arange(0, BLOCK_L)
+    inb = j < n_slots
+    for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        masked = (tl.load(masked_ptr + row * n_slots + j, mask=inb, other=0) != 0) & inb
+        conf = tl.where(masked, tl.load(conf_ptr + row * n_slots + j, mask=inb, other=0.0), neg)
+        ahead = (conf[None, :] > conf[:, None]) | ((conf[None, :] == conf[:, None]) & (j[None, :] < j[:, None]))
+        rank = tl.sum((ahead & masked[None, :]).to(tl.int32), axis=1)
+        if TOP_K:
+            quota = tl.minimum(tl.maximum(tl.load(quota_ptr + row).to(tl.int32), 1), tl.sum(masked.to(tl.int32), 0))
+            commit = masked & (rank < quota)
+        else:
+            commit = masked & ((conf >= threshold) | (rank == 0))
+        old = tl.load(x_ptr + row * x_stride + j, mask=inb, other=0)
+        x0 = tl.load(x0_ptr + row * n_slots + j, mask=inb, other=0)
+        tl.store(x_ptr + row * x_stride + j, tl.where(commit, x0, old), mask=inb)
+        tl.store(commit_ptr + row * n_slots + j, commit.to(tl.int8), mask=inb)
+
+
+def commit(conf, masked, quota, x0, x_block, *, rule: str, vector_cores: int, threshold: float = 0.9):
+    """Host wrapper of ``commit_kernel`` (rules "top_k" / "threshold"); returns the commit mask."""
+    import torch
+
+    if rule not in ("top_k", "threshold"):
+        raise ValueError(f"ascend commit: unknown rule {rule!r} (top_k, threshold)")
+    b, n = conf.shape
+    out = torch.empty((b, n), dtype=torch.int8, device=conf.device)
+    grid = (min(vector_cores, MAX_CORE_DIM),)
+    block = max(ALIGN_BYTES, triton.next_power_of_2(n))  # int8 mask tile: 32-byte aligned
+    commit_kernel[grid](
+        conf.float().contiguous(),
+        masked.contiguous(),
+        quota.contiguous(),
+        x0.contiguous(),
+        x_block,
+        out,
+        b,
+        n,
+        x_block.stride(0),
+        float(threshold),
+        TOP_K=rule == "top_k",
+        BLOCK_L=block,
+    )
+    return out.bool()
