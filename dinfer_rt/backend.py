@@ -53,6 +53,12 @@ class Backend:
     def capabilities(self) -> Capabilities:
         return Capabilities(dtypes=(torch.float32,))
 
+    def commit_kernel(self):
+        """A device-side commit selection ``(conf, masked, quota, x0, x_block, *, rule, threshold)``
+        -> commit mask (rules "threshold", "top_k"; writes ``x_block`` in place), or None: the
+        scheduler then decides on the host."""
+        return None
+
     def validate_choice(self) -> str | None:
         """Why the flavour/arch named in the choice (``name:flavour:arch``) is invalid, or None."""
         return None

@@ -13,10 +13,16 @@ Cache policies (``decoding.md`` §2.4-2.5, §6.6):
             first ``vicinity_warmup`` steps of a request are full forwards
 On a bidirectional model the cached K/V outside the computed range go stale as tokens
 are committed (the approximation Fast-dLLM names); the benchmark measures its accuracy cost.
+
+Decisions on the device: when the backend has a commit kernel (``Backend.commit_kernel``) and
+the rule is greedy threshold or low_confidence through the confidence head, the sequence stays
+on the device, the head scores every block slot (a fixed shape) and the kernel commits in place;
+the host syncs once per block (the schedule) and once per ``sync_every`` steps (block done?).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -72,9 +78,12 @@ def generate_batch(model: Model, prompts: list[list[int]], params: SamplingParam
     per_block = params.steps_per_block()
     gen = torch.Generator().manual_seed(params.seed)
     forward = _Forwarder(model, attn, params, p_len, b, n)
-    done = torch.zeros(b, dtype=torch.bool)
-    committed = torch.zeros(b, dtype=torch.long)
-    commit_step = torch.full((b, g), -1, dtype=torch.long)
+    on_device = forward.device_rule is not None  # decisions on the device: x stays there
+    dev = model.backend.device() if on_device else torch.device("cpu")
+    x = x.to(dev)
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
+    committed = torch.zeros(b, dtype=torch.long, device=dev)
+    commit_step = torch.full((b, g), -1, dtype=torch.long, device=dev)
     start = time.perf_counter()
     # Block-causal models (LLaDA2) align blocks to absolute position 0, so the first block may
     # hold the prompt's tail; bidirectional models start the first block right after the prompt.
@@ -82,7 +91,7 @@ def generate_batch(model: Model, prompts: list[list[int]], params: SamplingParam
     for s in range(first, n, lb):
         e = min(s + lb, n)
         block_masked = x[:, s:e] == mask_id
-        plan = strategies.linear_schedule(block_masked.sum(-1), per_block)
+        plan = strategies.linear_schedule(block_masked.sum(-1).cpu(), per_block).to(dev)  # one sync per block
         state: dict = {}
         step = 0
         while True:
@@ -91,29 +100,34 @@ def generate_batch(model: Model, prompts: list[list[int]], params: SamplingParam
             if step >= 4 * lb + per_block:  # safety cap: every rule commits >= 1 per step
                 raise GenerationError(f"block [{s}, {e}) did not finish in {step} steps")
             out = forward(x, s, e, step)
-            masked = x[:, s:e] == mask_id
-            quota = plan[:, min(step, per_block - 1)] if scheduled else torch.ones(b, dtype=torch.long)
-            if forward.use_confidence:  # the head already banned the mask token
-                step_in = strategies.StepInput(None, masked, quota, 0.0, gen, state, x0=out[0], conf=out[1])
+            masked = (x[:, s:e] == mask_id) & ~done[:, None]
+            quota = plan[:, min(step, per_block - 1)] if scheduled else torch.ones(b, dtype=torch.long, device=dev)
+            if on_device:  # the backend's kernel decides and writes the block in place: no host sync
+                commit = forward.commit(out[1], masked, quota, out[0], x[:, s:e], rule=forward.device_rule)
             else:
-                out[..., mask_id] = float("-inf")  # never commit the mask token
-                step_in = strategies.StepInput(out, masked, quota, params.temperature, gen, state)
-            x0, commit = rule(step_in)
-            commit &= masked & ~done[:, None]
-            x[:, s:e] = torch.where(commit, x0, x[:, s:e])
+                if forward.use_confidence:  # the head already banned the mask token
+                    step_in = strategies.StepInput(None, masked, quota, 0.0, gen, state, x0=out[0], conf=out[1])
+                else:
+                    out[..., mask_id] = float("-inf")  # never commit the mask token
+                    step_in = strategies.StepInput(out, masked, quota, params.temperature, gen, state)
+                x0, commit = rule(step_in)
+                commit &= masked
+                x[:, s:e] = torch.where(commit, x0, x[:, s:e])
             committed += commit.sum(-1)
             lo = max(s, p_len)  # a block-causal first block may start inside the prompt
-            commit_step[:, lo - p_len : e - p_len][commit[:, lo - s :]] = forward.nfe - 1
+            steps_view = commit_step[:, lo - p_len : e - p_len]
+            steps_view.copy_(torch.where(commit[:, lo - s :], forward.nfe - 1, steps_view))
             step += 1
         if params.early_stop and eos:
             blk = x[:, s:e]
-            has_eos = torch.isin(blk, torch.tensor(eos)).any(-1)
+            has_eos = torch.isin(blk, torch.tensor(eos, device=dev)).any(-1)
             newly = has_eos & ~done
             x[newly, e:] = model.pad_id if model.pad_id in eos else eos[0]
             done |= newly
             if done.all():
                 break
-    return BatchResult(x[:, p_len:], committed, forward.nfe, time.perf_counter() - start, forward.step_s, commit_step)
+    wall = time.perf_counter() - start
+    return BatchResult(x[:, p_len:].cpu(), committed.cpu(), forward.nfe, wall, forward.step_s, commit_step.cpu())
 
 
 class _Forwarder:
@@ -132,6 +146,12 @@ class _Forwarder:
         )
         self.nfe = 0
         self.step_s: list[float] = []
+        # Greedy threshold / top-k decisions run on the device when the backend has a commit kernel.
+        rules = {"threshold": "threshold", "low_confidence": "top_k"}
+        self.commit = model.backend.commit_kernel() if self.use_confidence else None
+        self.device_rule = rules.get(params.strategy) if self.commit is not None else None
+        if self.device_rule == "threshold":
+            self.commit = functools.partial(self.commit, threshold=params.threshold)
 
     def __call__(self, x: torch.Tensor, s: int, e: int, step: int):
         """The block's logits [B, e - s, V], or with the confidence head (argmax, probability) [B, e - s]."""
@@ -150,12 +170,18 @@ class _Forwarder:
         compute = torch.arange(lo, hi) if cached else None
         if not self.use_confidence:
             return m.forward(x, self.attn, cache=cache, compute=compute, block_size=self.block_size)[:, s - lo : e - lo]
-        # Confidence head: the LM head runs only where some row still has a mask.
-        select = torch.arange(s, e)[(x[:, s:e] == m.mask_id).any(0)]
+        # Confidence head: the LM head runs only where some row still has a mask (on the device
+        # path, at every block slot: a fixed shape and no host sync to find them).
+        if self.device_rule is not None:
+            select = torch.arange(s, e)
+        else:
+            select = torch.arange(s, e)[(x[:, s:e] == m.mask_id).any(0)]
         score = strategies.SCORE_KIND[self.params.strategy]
         conf, token = m.confidence(
             x, self.attn, select=select, score=score, cache=cache, compute=compute, block_size=self.block_size
         )
+        if self.device_rule is not None:
+            return token, conf
         x0 = torch.full((x.shape[0], e - s), m.mask_id, dtype=torch.long)
         probs = torch.zeros((x.shape[0], e - s), dtype=conf.dtype)
         x0[:, select - s], probs[:, select - s] = token.cpu(), conf.cpu()

@@ -446,3 +446,24 @@ def test_graphed_forward_replays_with_static_buffers_and_recaptures_on_new_shape
     assert not torch.equal(keep, out2)
     model.forward(ids, cache=model.new_cache(2, 12), compute=blk)  # another cache: another address
     assert api.captured == 3
+
+
+@pytest.mark.parametrize("strategy", ["threshold", "low_confidence"])
+def test_scheduler_decides_on_the_device_with_the_same_tokens(cuda, monkeypatch, strategy):
+    """With a backend commit kernel, greedy threshold / top-k decoding keeps the sequence on the
+    device and decides there (no per-step host sync); tokens equal the host path on cpu, for a
+    padded batch of different prompt lengths with early stop."""
+    from dinfer_rt.backends.cuda import ops as cuda_ops
+
+    from dinfer_rt.demo import task
+
+    calls = []
+    real = cuda_ops.commit
+    monkeypatch.setattr(cuda_ops, "commit", lambda *a, **k: calls.append(k["rule"]) or real(*a, **k))
+    prompts = [it.letters for it in task.heldout(3)]
+    prompts[1] = prompts[1][:4]
+    params = dinfer_rt.SamplingParams(strategy=strategy, threshold=0.9, batch_size=3, cache="dual", block_length=8)
+    want = [o.token_ids for o in dinfer_rt.LLM(backend="cpu").generate(prompts, params)]
+    got = [o.token_ids for o in dinfer_rt.LLM(backend="cuda").generate(prompts, params)]
+    assert got == want
+    assert calls and set(calls) == {"threshold" if strategy == "threshold" else "top_k"}

@@ -159,14 +159,20 @@ def make_kernels(npu, fallback: Callable[[str, str], None], vector_cores: int, i
     return k
 
 
-def _triton_kernels(vector_cores: int, interpret: bool) -> dict[str, Callable]:
-    """The triton-ascend confidence kernel when a Triton that can run it is present (the Ascend
-    backend of triton-ascend, or the interpreter); else none, and the op takes the fallback."""
+def triton_usable(interpret: bool) -> bool:
+    """Whether a Triton that can run the triton-ascend kernels is present: triton-ascend's
+    Ascend backend, or the interpreter."""
     try:
         import triton
     except ImportError:
-        return {}
-    if not interpret and "ascend" not in getattr(triton.backends, "backends", {}):
+        return False
+    return interpret or "ascend" in getattr(triton.backends, "backends", {})
+
+
+def _triton_kernels(vector_cores: int, interpret: bool) -> dict[str, Callable]:
+    """The triton-ascend confidence kernel when ``triton_usable``; else none, and the op takes
+    the fallback."""
+    if not triton_usable(interpret):
         return {}
     from dinfer_rt.backends.ascend import triton_kernels as tk
 

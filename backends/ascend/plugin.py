@@ -8,6 +8,7 @@ can be found, and names what is missing.
 from __future__ import annotations
 
 import ctypes.util
+import functools
 import importlib.util
 import logging
 import os
@@ -96,6 +97,17 @@ class AscendBackend(Backend):
 
             return GraphedExecutable(exe, GraphAPI("npu"))
         return exe
+
+    def commit_kernel(self):
+        """The triton-ascend commit kernel where a Triton that runs it exists (triton-ascend, or
+        the interpreter); else None and the scheduler decides on the host."""
+        from dinfer_rt.backends.ascend.ops import triton_usable
+
+        if not triton_usable(flag(DINFER_INTERPRET)):
+            return None
+        from dinfer_rt.backends.ascend import triton_kernels as tk
+
+        return functools.partial(tk.commit, vector_cores=self.VECTOR_CORES)
 
     def _constraint_fallback(self, op: str, reason: str) -> None:
         self.constraint_fallbacks[op] = self.constraint_fallbacks.get(op, 0) + 1

@@ -56,6 +56,15 @@ def triton_kernels(backend: Backend, tuning: dict) -> Mapping[str, Kernel]:
     return make_kernels(tuning, interpreting(), backend.launch_config, tuner)
 
 
+def triton_commit():
+    """The Triton commit selection kernel's wrapper, or None without triton."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from dinfer_rt.backends.cuda.ops import commit
+
+    return commit
+
+
 def triton_version() -> str:
     try:
         import triton
@@ -106,6 +115,9 @@ class CudaBackend(Backend):
 
             return GraphedExecutable(exe)
         return exe
+
+    def commit_kernel(self):
+        return triton_commit()
 
     def tuning(self) -> dict:
         """This arch's tuning row (unknown archs get the sm_90 row)."""

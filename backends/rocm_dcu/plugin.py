@@ -14,7 +14,7 @@ import shutil
 from collections.abc import Mapping
 
 import torch
-from dinfer_rt.backends.cuda.plugin import interpreting, triton_kernels, triton_version
+from dinfer_rt.backends.cuda.plugin import interpreting, triton_commit, triton_kernels, triton_version
 from dinfer_rt.backends.rocm_dcu import detect, tuning
 
 from dinfer_rt.backend import Availability, Backend, Capabilities
@@ -94,6 +94,9 @@ class RocmDcuBackend(Backend):
     def kernels(self) -> Mapping[str, Kernel]:
         self.identify()
         return triton_kernels(self, self.tuning())
+
+    def commit_kernel(self):
+        return triton_commit()
 
     def tuning(self) -> dict:
         """The arch's wave64 row; under the interpreter, with its rows/heads per program raised
