@@ -21,6 +21,7 @@ def _isolate_backend_env(monkeypatch):
     torch.manual_seed(0)
     yield
     registry.cache_clear()
+    os.environ.pop("DINFER_BACKEND", None)  # select_backend writes its resolved choice back
 
 
 @pytest.fixture(scope="session")

@@ -101,7 +101,7 @@ def test_every_in_tree_backend_is_listed_with_its_reason():
     if torch.version.cuda is None:
         assert not reasons["cuda"].ok and "CPU-only build" in reasons["cuda"].reason
     if torch.version.hip is None:
-        assert not reasons["rocm_dcu"].ok and "not a HIP/ROCm build" in reasons["rocm_dcu"].reason
+        assert not reasons["rocm_dcu"].ok and "not a HIP/DTK build" in reasons["rocm_dcu"].reason
 
 
 def test_ascend_probe_names_missing_cann_without_importing_torch_npu(monkeypatch):

@@ -77,6 +77,10 @@ class RocmDcuBackend(Backend):
         self.flavour = ident.flavour if self.flavour == "auto" else self.flavour
         self.arch, self.identified_by = ident.arch, ident.how
 
+    def describe(self) -> str:
+        self.identify()  # after selection: name the flavour and arch actually used
+        return super().describe()
+
     def capabilities(self) -> Capabilities:
         self.identify()
         rec = tuning.record(self.arch)
