@@ -50,6 +50,20 @@ def copy_bandwidth_gbs() -> float:
     return 2 * x.numel() / (ms * 1e-3) / 1e9
 
 
+def matmul_tflops() -> float:
+    """The bf16 matmul ceiling this device reaches through torch (8192^3)."""
+    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    ms = cuda_time(lambda: a @ a, 10)
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+# Matmul work of the compute-bound cases (FLOPs), so their rows report TFLOP/s against the ceiling.
+FLOPS = {
+    "attention": 2 * 2 * 2 * 32 * 32 * 1024 * 128,  # batch 2, 32 heads, 32 queries, 1024 keys, QK and PV
+    "moe_experts": 2 * 64 * 8 * 3 * 2048 * 1024,  # 64 tokens x top-8, gate/up/down at hidden 2048, width 1024
+}
+
+
 def _cases(k: dict, dtype: torch.dtype) -> dict:
     """kernel -> (ours, torch eager, float64 reference, bytes moved) on LLaDA-8B-sized inputs."""
     x = torch.randn(32, 4096, device=DEV, dtype=dtype)
@@ -130,6 +144,7 @@ def kernel_checks(backend) -> list[dict]:
                     "ms": ms,
                     "eager_ms": eager_ms,
                     "gb_s": nbytes / (ms * 1e-3) / 1e9,
+                    "tflops": FLOPS.get(name, 0) / (ms * 1e-3) / 1e12,
                 }
             )
     return rows
@@ -194,6 +209,7 @@ def main() -> None:
         "versions": backend.versions(),
         "torch": torch.__version__,
         "copy_gb_s": copy_bandwidth_gbs(),
+        "matmul_tflops": matmul_tflops(),
         "kernels": kernel_checks(backend),
         "llada_8b_dual_cache_step": llada_8b_step(args.backend),
     }
@@ -203,14 +219,15 @@ def main() -> None:
     lines = [
         f"# Device check on {result['device']}",
         "",
-        f"copy bandwidth {result['copy_gb_s']:.0f} GB/s",
+        f"ceilings: copy bandwidth {result['copy_gb_s']:.0f} GB/s, bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s",
         "",
-        "| kernel | dtype | max rel err | passed | ms | eager ms | GB/s |",
-        "|---|---|---|---|---|---|---|",
+        "| kernel | dtype | max rel err | passed | ms | eager ms | GB/s | % of copy | TFLOP/s | % of matmul |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['kernel']} | {r['dtype']} | {r['max_rel']:.1e} | {r['passed']} | {r['ms']:.3f} | "
-        f"{r['eager_ms']:.3f} | {r['gb_s']:.0f} |"
+        f"{r['eager_ms']:.3f} | {r['gb_s']:.0f} | {100 * r['gb_s'] / result['copy_gb_s']:.0f} | "
+        f"{r['tflops']:.1f} | {100 * r['tflops'] / result['matmul_tflops']:.0f} |"
         for r in result["kernels"]
     ]
     s = result["llada_8b_dual_cache_step"]
