@@ -85,8 +85,6 @@ class AscendBackend(Backend):
         import torch_npu
         from dinfer_rt.backends.ascend.ops import make_kernels
 
-        from dinfer_rt.envs import flag
-
         return make_kernels(torch_npu, self._constraint_fallback, self.VECTOR_CORES, flag(DINFER_INTERPRET))
 
     def compile(self, graph, weights):
