@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import torch
-from dinfer_rt.ir import ops
 
+from dinfer_rt.ir import ops
 from dinfer_rt.layouts import LLADA_8B
 from dinfer_rt.model import Model
 from dinfer_rt.plugins import select_backend
@@ -162,7 +162,7 @@ def llada_8b_step(backend_name: str, context: int = 1024, block: int = 32, tpf: 
     step_ms = cuda_time(lambda: model.forward(ids, cache=cache, compute=blk), 20)
     graphs = {}
     if backend.name == "cuda":  # the same step replayed from a CUDA graph (DINFER_GRAPHS=1)
-        from dinfer_rt.backends.cuda.graphs import GraphedExecutable
+        from dinfer_rt.backends.triton.graphs import GraphedExecutable
 
         key = next(k for k in model._compiled if k[0])
         eager_out = model.forward(ids, cache=cache, compute=blk).float().clone()

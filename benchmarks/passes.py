@@ -17,7 +17,7 @@ import torch
 
 from dinfer_rt.layouts import LLADA_8B
 from dinfer_rt.lowering import lower
-from dinfer_rt.passes import schedule
+from dinfer_rt.passes import reorder
 from dinfer_rt.plugins import select_backend
 from dinfer_rt.spec import param_plan, parse_spec
 
@@ -106,7 +106,7 @@ def stats(graph, bindings) -> dict:
     return {
         "nodes": len(graph.nodes),
         "launches": sum(n.op not in VIEW_OPS for n in graph.nodes),
-        "peak_mb": schedule.peak_bytes(graph, order, bindings) / 2**20,
+        "peak_mb": reorder.peak_bytes(graph, order, bindings) / 2**20,
     }
 
 

@@ -1,4 +1,4 @@
-"""``dinfer-rt`` command line: generate, eval, ir, backends, env.
+"""``dinfer-rt`` command line: generate, eval, bench, validate, kernels compile, ir, backends, env.
 
 Errors on bad input print ``error: <message>`` and exit 2 without a traceback;
 ``--debug`` (before the command) re-raises to show it.
@@ -133,18 +133,22 @@ def cmd_validate(a: argparse.Namespace) -> int:
 
 
 def cmd_kernels(a: argparse.Namespace) -> int:
-    """Compile every shared Triton kernel for a cuda or rocm_dcu target, ahead of time, and report resources."""
+    """Compile every kernel of a backend for one target ahead of time and report its resources
+    (the targets are whatever the installed backends contribute through a hook)."""
     import os
 
     from dinfer_rt.errors import BackendError
+    from dinfer_rt.plugins import compile_targets
 
     if os.environ.get("TRITON_INTERPRET") == "1" or envs.flag(envs.DINFER_INTERPRET):
         raise BackendError(
             "kernels compile needs real Triton JIT functions: unset TRITON_INTERPRET and DINFER_INTERPRET"
         )
-    from dinfer_rt.backends.cuda.aot import compile_all
-
-    rows = compile_all(a.target)
+    targets = compile_targets()
+    if a.target not in targets:
+        known = ", ".join(sorted(targets)) or "none (no installed backend contributes compile targets)"
+        raise BackendError(f"unknown kernel target {a.target!r}; supported: {known}")
+    rows = targets[a.target]()
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -178,7 +182,11 @@ def cmd_ir(a: argparse.Namespace) -> int:
         from dinfer_rt.plugins import select_backend
 
         select_backend(a.backend)  # raises the standard unknown-backend error
-    table = reg.backends[a.backend]().kernel_table()
+    from dinfer_rt.plugins import contributions
+
+    backend = reg.backends[a.backend]()
+    backend.contributions = contributions(backend)
+    table = backend.kernel_table()
     print(Executable.annotate(graph, {op: src for op, (_, src) in table.items()}, a.backend))
     return 0
 
@@ -198,6 +206,7 @@ def cmd_backends(a: argparse.Namespace) -> int:
                 "available": av.ok,
                 "reason": av.reason,
                 "device": b.device_type,
+                "collectives": b.capabilities().collectives if av.ok else None,
                 "plugin": reg.plugin_of[name],
                 "versions": b.versions(),
             }
@@ -207,8 +216,9 @@ def cmd_backends(a: argparse.Namespace) -> int:
             "name": f.name,
             "flavour": "-",
             "available": False,
-            "reason": f.reason,
+            "reason": f.reason if f.hook is None else f"plugin failed in {f.hook}: {f.reason}",
             "device": "-",
+            "collectives": None,
             "plugin": f.name,
             "versions": {},
         }
@@ -230,14 +240,14 @@ def cmd_env(a: argparse.Namespace) -> int:
     import dinfer_rt
     from dinfer_rt.plugins import describe_all
 
+    from dinfer_rt.plugins import env_info
+
+    info = env_info()  # first: a plugin failing here is then listed under backends
     print(f"dinfer-rt {dinfer_rt.__version__}")
     print(f"python {platform.python_version()} on {platform.platform()}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("backends:")
     print(describe_all())
-    from dinfer_rt.plugins import env_info
-
-    info = env_info()
     if info:
         print("plugins:")
         for k, v in sorted(info.items()):
@@ -282,11 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     ksub = kern.add_subparsers(dest="kernels_command", required=True)
     kc = ksub.add_parser(
         "compile",
-        help="compile every Triton kernel for cuda:sm_80|sm_90 or rocm_dcu:gfx906|gfx90a|gfx942 (no GPU needed)",
+        help="compile every kernel for a target a backend contributes, e.g. cuda:sm_90 (no device needed)",
     )
-    kc.add_argument(
-        "--target", required=True, help="cuda:sm_80, cuda:sm_90, rocm_dcu:gfx906, rocm_dcu:gfx90a, rocm_dcu:gfx942"
-    )
+    kc.add_argument("--target", required=True, help="backend:arch, e.g. cuda:sm_90 or rocm_dcu:gfx942")
     kc.add_argument("--json", action="store_true")
     kc.set_defaults(func=cmd_kernels)
     i = sub.add_parser("ir", help="print the IR graph of a model (from its config.json)")

@@ -23,22 +23,36 @@ def default_model_path() -> Path:
     return Path(env) if env else EMBEDDED_MODEL
 
 
+def auto_dtype(spec, backend) -> torch.dtype:
+    """``dtype="auto"``: the checkpoint's ``torch_dtype`` where the backend computes on a device
+    and supports it; float32 on the CPU (and where the checkpoint names none)."""
+    if backend.device().type == "cpu":
+        return torch.float32
+    named = spec.config.get("torch_dtype")
+    dt = resolve_dtype(named) if isinstance(named, str) else torch.float32
+    return dt if dt in backend.capabilities().dtypes else torch.float32
+
+
 def load_model(
     path: str | Path | None = None,
     backend: str | None = None,
-    dtype: str | torch.dtype | None = None,
+    dtype: str | torch.dtype | None = "auto",
     *,
     tokenizer: bool = True,
+    disable_passes: tuple[str, ...] | list[str] = (),
 ) -> Model:
     """Load a checkpoint folder (config.json + safetensors + tokenizer.json).
 
-    ``backend`` overrides ``DINFER_BACKEND``; ``dtype`` (float32 / bfloat16 / float16 /
-    float64) is the conversion applied as each tensor is read (default float32).
+    ``backend`` overrides ``DINFER_BACKEND``. ``dtype`` (float32 / bfloat16 / float16 /
+    float64) is the conversion applied as each tensor is read; ``"auto"`` (the default, as in
+    vLLM) is the checkpoint's own ``torch_dtype`` on a device backend and float32 on the CPU
+    (where 16-bit matmuls are slow and the reference is fp32). ``disable_passes`` names graph
+    passes to skip for this model (e.g. to build an unfused twin).
     """
     model_dir = Path(path) if path is not None else default_model_path()
-    dt = resolve_dtype(dtype)
     spec = parse_spec(model_dir)
     be = select_backend(backend)
+    dt = auto_dtype(spec, be) if dtype in (None, "auto") else resolve_dtype(dtype)
     if dt not in be.capabilities().dtypes:
         from dinfer_rt.errors import BackendError
 
@@ -48,6 +62,6 @@ def load_model(
     from dinfer_rt.weights import load_weights
 
     w = {k: v.to(be.device()) for k, v in load_weights(weights, spec, dt).items()}
-    model = Model(model_dir, spec, w, tok, be, dt)
+    model = Model(model_dir, spec, w, tok, be, dt, tuple(disable_passes))
     model.executable(cached=False)  # lower, verify and compile now: errors surface at load
     return model

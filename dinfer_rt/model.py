@@ -18,7 +18,7 @@ from dinfer_rt.errors import DinferError, GenerationError
 from dinfer_rt.executor import Executable
 from dinfer_rt.ir import Graph
 from dinfer_rt.lowering import lower
-from dinfer_rt.spec import ModelSpec
+from dinfer_rt.spec import EOS_TOKENS, ModelSpec
 from dinfer_rt.tokenizer import Tokenizer
 
 
@@ -43,12 +43,13 @@ class Model:
         tokenizer: Tokenizer | None,
         backend: Backend,
         dtype: torch.dtype,
+        disable_passes: tuple[str, ...] = (),
     ) -> None:
         self.path, self.spec, self.weights, self.tokenizer = path, spec, weights, tokenizer
         self.backend, self.dtype = backend, dtype
+        self.disable_passes = disable_passes  # pass names skipped for this model (e.g. an unfused twin)
         self.block_size = spec.default_block_size
         self._compiled: dict[tuple[bool, int | None, str, str], Executable] = {}
-        self.pass_counts: dict[str, int] = {}  # rewrites per pass in the last compiled graph
         self.pass_counts: dict[str, int] = {}  # rewrites per pass in the last compiled graph
 
     # ---------------------------------------------------------------- graphs
@@ -63,7 +64,7 @@ class Model:
         if key not in self._compiled:
             mask = self.mask_id if head == "confidence" else None
             graph = lower(self.spec, self.dtype, cached=cached, block_size=bs, head=head, mask_id=mask, score=score)
-            graph, self.pass_counts = self.backend.optimize(graph, self.weights)
+            graph, self.pass_counts = self.backend.optimize(graph, self.weights, self.disable_passes)
             self._compiled[key] = self.backend.compile(graph, self.weights)
         return self._compiled[key]
 
@@ -83,7 +84,7 @@ class Model:
     def eos_ids(self) -> tuple[int, ...]:
         ids = set(self.spec.eos_ids)
         if self.tokenizer is not None:
-            for tok in ("<|eot_id|>", "<|im_end|>", "<|endoftext|>"):
+            for tok in EOS_TOKENS[self.spec.family]:
                 i = self.tokenizer.token_id(tok)
                 if i is not None:
                     ids.add(i)

@@ -1,28 +1,44 @@
 """Plugin discovery and backend selection (pluggy project ``dinfer_rt``).
 
-Plugins are modules named by entry points in the group ``dinfer_rt.backends``; the
-in-tree ``cpu`` backend is found the same way. Each plugin implements hooks from
-:class:`BackendHookSpec`. A plugin that fails to import or register is recorded and
-skipped; it becomes an error only if it is the backend explicitly chosen.
+Plugins are modules named by entry points in the group ``dinfer_rt.backends``; the in-tree
+backends are found the same way. A plugin module declares ``DINFER_RT_HOOK_API`` (the hook API
+version it was built for) and implements hooks from :class:`BackendHookSpec`. Hooks are called
+through pluggy's own relay (``pm.hook.NAME(...)``), so an implementation may take a subset of
+the arguments and ``tryfirst`` / ``trylast`` / wrappers work as pluggy documents. Precedence:
+where contributions collide, the implementation pluggy calls first has the last word (as with
+pluggy's first-result semantics), so ``tryfirst`` wins.
+
+Fault isolation: a plugin that fails to load, declares another hook API version, or raises in
+any hook is recorded as a :class:`PluginFailure` (shown by ``dinfer-rt backends`` and
+``dinfer-rt env``), warned about once, and its contribution to that call is dropped; every
+other plugin and backend keeps working.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
+import inspect
 import os
 import sys
-from dataclasses import dataclass
+import types
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib.metadata import entry_points
 
 import pluggy
 
 from dinfer_rt import envs
-from dinfer_rt.backend import Availability, Backend
+from dinfer_rt.backend import Backend, Contributions
 from dinfer_rt.errors import BackendError
+from dinfer_rt.platform import Availability
 
 PROJECT = "dinfer_rt"
 ENTRY_POINT_GROUP = "dinfer_rt.backends"
-HOOK_API_VERSION = 1
+HOOK_API_VERSION = 2
+HOOK_API_ATTRIBUTE = "DINFER_RT_HOOK_API"
 BUILTIN_DISTRIBUTION = "dinfer-rt"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -30,16 +46,17 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 class BackendHookSpec:
-    """Hook specifications, version :data:`HOOK_API_VERSION`."""
+    """Hook specifications, version :data:`HOOK_API_VERSION`. Each is called once per process
+    (registration, env info, compile targets) or once per backend selection (the rest)."""
 
     @hookspec
     def dinfer_rt_register_backends(self) -> list[type[Backend]]:
         """Return the Backend subclasses this plugin provides."""
 
     @hookspec
-    def dinfer_rt_register_kernels(self, backend_name: str) -> dict | None:
+    def dinfer_rt_register_kernels(self, backend_name: str, arch: str | None) -> dict | None:
         """Return ``{ir_op_name: kernel}`` to add to (or override on) backend ``backend_name``.
-        Kernels take the op's reference signature. Called once per compile, never per op."""
+        Kernels take the op's reference signature."""
 
     @hookspec
     def dinfer_rt_register_passes(self, backend_name: str) -> list | None:
@@ -47,9 +64,14 @@ class BackendHookSpec:
         pipeline (run after the shared default passes)."""
 
     @hookspec
-    def dinfer_rt_launch_config(self, backend_name: str, kernel: str, arch: str | None) -> dict | None:
-        """Return launch/tuning parameters (block sizes, warps, stages, ...) for ``kernel`` on
-        ``backend_name``/``arch``; later plugins override earlier keys. Read once per kernel build."""
+    def dinfer_rt_launch_config(self, backend_name: str, arch: str | None) -> dict | None:
+        """Return ``{kernel: {param: value}}`` launch/tuning overrides (block sizes, warps,
+        stages, ...) for ``backend_name`` on ``arch``."""
+
+    @hookspec
+    def dinfer_rt_compile_targets(self) -> dict | None:
+        """Return ``{"backend:arch": compile}`` ahead-of-time targets for ``dinfer-rt kernels
+        compile``; ``compile()`` returns one resource row (a dict) per kernel variant."""
 
     @hookspec
     def dinfer_rt_env_info(self) -> dict | None:
@@ -58,8 +80,9 @@ class BackendHookSpec:
 
 @dataclass(frozen=True)
 class PluginFailure:
-    name: str
+    name: str  # the plugin (entry point) name
     reason: str
+    hook: str | None = None  # None: the plugin did not load
 
 
 @dataclass
@@ -68,6 +91,87 @@ class Registry:
     plugin_of: dict[str, str]  # backend name -> plugin (entry point) name
     failures: list[PluginFailure]
     manager: pluggy.PluginManager
+    _unwarned: list[PluginFailure] = field(default_factory=list)
+
+    def call(self, hook: str, **kwargs) -> list[tuple[str, object]]:
+        """``pm.hook.<hook>(**kwargs)``, each non-None result paired with its plugin's name."""
+        seen: list[tuple[str, object]] = []
+        token = _results.set(seen)
+        try:
+            results = getattr(self.manager.hook, hook)(**kwargs)
+        except Exception as e:  # only a hook wrapper can get here: implementations are guarded
+            self._fault(PluginFailure("(hook wrapper)", f"{type(e).__name__}: {e}", hook))
+            results = []
+        finally:
+            _results.reset(token)
+        for failure in self._unwarned:
+            warnings.warn(
+                f"dinfer_rt plugin {failure.name!r} failed in {failure.hook}: {failure.reason}; "
+                "its contribution is dropped",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self._unwarned.clear()
+        by_id = {id(r): plugin for plugin, r in seen}
+        return [(by_id.get(id(r), "(hook wrapper)"), r) for r in results]
+
+    def _fault(self, failure: PluginFailure) -> None:
+        """Record a failure once (a hook called again with the same fault warns once)."""
+        if failure not in self.failures:
+            self.failures.append(failure)
+            self._unwarned.append(failure)
+
+
+_results: contextvars.ContextVar[list | None] = contextvars.ContextVar("dinfer_rt_hook_results", default=None)
+
+
+def _guarded(fn: Callable, plugin: str, on_fault: Callable[[PluginFailure], None]) -> Callable:
+    """``fn`` that records (plugin, result) for attribution and turns an exception into a
+    recorded fault and no result. ``functools.wraps`` keeps the signature pluggy reads."""
+
+    names = list(inspect.signature(fn).parameters)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        trace = envs.flag(envs.DINFER_TRACE_PLUGINS)
+        if trace:
+            print(f"[dinfer_rt plugins] {plugin}.{fn.__name__}({dict(zip(names, args)) | kwargs})", file=sys.stderr)
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as e:
+            on_fault(PluginFailure(plugin, f"{type(e).__name__}: {e}", fn.__name__))
+            return None
+        if trace:
+            print(f"[dinfer_rt plugins]   -> {result!r}", file=sys.stderr)
+        seen = _results.get()
+        if seen is not None and result is not None:
+            seen.append((plugin, result))
+        return result
+
+    return call
+
+
+def _isolated(module: object, plugin: str, on_fault: Callable[[PluginFailure], None]) -> object:
+    """A stand-in namespace for a plugin module whose hook implementations are guarded
+    (wrappers are kept as they are: they must see the other implementations' outcome)."""
+    proxy = types.SimpleNamespace()
+    for attr in dir(module):
+        fn = getattr(module, attr, None)
+        opts = getattr(fn, f"{PROJECT}_impl", None)
+        if not callable(fn) or opts is None:
+            continue
+        wrapper = opts.get("wrapper") or opts.get("hookwrapper")
+        setattr(proxy, attr, fn if wrapper else _guarded(fn, plugin, on_fault))
+    return proxy
+
+
+def _api_mismatch(module: object) -> str | None:
+    version = getattr(module, HOOK_API_ATTRIBUTE, None)
+    if version is None:
+        return f"declares no {HOOK_API_ATTRIBUTE} (this dinfer-rt speaks hook API {HOOK_API_VERSION})"
+    if version != HOOK_API_VERSION:
+        return f"was built for dinfer-rt hook API {version}; this dinfer-rt speaks hook API {HOOK_API_VERSION}"
+    return None
 
 
 @lru_cache(maxsize=1)
@@ -75,130 +179,141 @@ def registry() -> Registry:
     """Load plugins once per process (honouring the allowlist and autoload switches)."""
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(BackendHookSpec)
+    reg = Registry({}, {}, [], pm)
     allow = envs.plugin_allowlist()
     builtins_only = envs.flag(envs.DINFER_DISABLE_PLUGIN_AUTOLOAD)
-    failures: list[PluginFailure] = []
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    found = list(entry_points(group=ENTRY_POINT_GROUP))
+    if allow is not None and (missing := allow - {ep.name for ep in found}):
+        raise BackendError(
+            f"{envs.DINFER_PLUGINS} names plugin(s) not installed: {', '.join(sorted(missing))}; "
+            f"installed: {', '.join(sorted(ep.name for ep in found)) or 'none'}"
+        )
+    for ep in found:
         dist = getattr(getattr(ep, "dist", None), "name", None)
         if builtins_only and dist != BUILTIN_DISTRIBUTION:
             continue
         if allow is not None and ep.name not in allow:
             continue
         try:
-            pm.register(ep.load(), name=ep.name)
+            module = ep.load()
         except Exception as e:  # a broken plugin must not take the others down
-            failures.append(PluginFailure(ep.name, f"failed to load entry point {ep.value!r}: {type(e).__name__}: {e}"))
-    backends: dict[str, type[Backend]] = {}
-    plugin_of: dict[str, str] = {}
-    for impl in pm.hook.dinfer_rt_register_backends.get_hookimpls():
+            reg.failures.append(
+                PluginFailure(ep.name, f"failed to load entry point {ep.value!r}: {type(e).__name__}: {e}")
+            )
+            continue
+        if (bad := _api_mismatch(module)) is not None:
+            reg.failures.append(PluginFailure(ep.name, f"plugin {ep.name!r} ({ep.value}) {bad}"))
+            continue
         try:
-            classes = _call(impl)
-            for cls in classes or []:
-                if not (isinstance(cls, type) and issubclass(cls, Backend)):
-                    raise TypeError(f"{cls!r} is not a dinfer_rt.backend.Backend subclass")
-                backends[cls.name] = cls
-                plugin_of[cls.name] = impl.plugin_name
-        except Exception as e:
-            failures.append(PluginFailure(impl.plugin_name, f"failed to register: {type(e).__name__}: {e}"))
-    return Registry(backends, plugin_of, failures, pm)
+            pm.register(_isolated(module, ep.name, reg._fault), name=ep.name)
+        except pluggy.PluginValidationError as e:  # a hook whose arguments the spec does not have
+            reg.failures.append(
+                PluginFailure(ep.name, f"plugin {ep.name!r} ({ep.value}) does not match the hooks: {e}")
+            )
+    for plugin, classes in reg.call("dinfer_rt_register_backends"):
+        bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, Backend))]
+        if bad:
+            reg.failures.append(
+                PluginFailure(plugin, f"failed to register: {bad[0]!r} is not a dinfer_rt.backend.Backend subclass")
+            )
+            continue
+        for cls in classes:
+            reg.backends[cls.name] = cls
+            reg.plugin_of[cls.name] = plugin
+    return reg
 
 
-def _call(impl, **kwargs):
-    """Call one plugin's hook implementation, tracing it to stderr under DINFER_TRACE_PLUGINS=1.
-
-    Implementations are called one by one (not through ``pm.hook``) so that every result is
-    attributed to its plugin and one failing plugin cannot hide the others' results."""
-    trace = envs.flag(envs.DINFER_TRACE_PLUGINS)
-    if trace:
-        print(f"[dinfer_rt plugins] {impl.plugin_name}.{impl.function.__name__}({kwargs})", file=sys.stderr)
-    result = impl.function(**kwargs)
-    if trace:
-        print(f"[dinfer_rt plugins]   -> {result!r}", file=sys.stderr)
-    return result
-
-
-def plugin_kernels(backend_name: str) -> list[tuple[str, dict]]:
-    """(plugin name, kernels) registered by plugins for ``backend_name``, in registration order."""
-    out = []
-    for impl in registry().manager.hook.dinfer_rt_register_kernels.get_hookimpls():
-        kernels = _call(impl, backend_name=backend_name)
-        if kernels:
-            out.append((impl.plugin_name, dict(kernels)))
-    return out
+def contributions(backend: Backend) -> Contributions:
+    """Gather every plugin's kernels, passes and launch overrides for ``backend`` (once, at
+    selection). Results are applied in reverse call order, so the first-called plugin wins."""
+    reg = registry()
+    who = {"backend_name": backend.name}
+    kernels = [(p, dict(k)) for p, k in reg.call("dinfer_rt_register_kernels", **who, arch=backend.arch)]
+    passes = [p for _, ps in reg.call("dinfer_rt_register_passes", **who) for p in ps]
+    launch: dict[str, dict] = {}
+    for _, table in reversed(reg.call("dinfer_rt_launch_config", **who, arch=backend.arch)):
+        for kernel, params in table.items():
+            launch[kernel] = {**launch.get(kernel, {}), **params}
+    return Contributions(tuple(reversed(kernels)), tuple(passes), launch)
 
 
-def plugin_passes(backend_name: str) -> list:
-    passes: list = []
-    for impl in registry().manager.hook.dinfer_rt_register_passes.get_hookimpls():
-        passes += list(_call(impl, backend_name=backend_name) or [])
-    return passes
-
-
-def plugin_launch_config(backend_name: str, kernel: str, arch: str | None) -> dict:
-    config: dict = {}
-    for impl in registry().manager.hook.dinfer_rt_launch_config.get_hookimpls():
-        config.update(_call(impl, backend_name=backend_name, kernel=kernel, arch=arch) or {})
-    return config
+def compile_targets() -> dict[str, Callable[[], list[dict]]]:
+    """Every ahead-of-time kernel target the installed backends contribute."""
+    targets: dict[str, Callable] = {}
+    for _, contributed in reversed(registry().call("dinfer_rt_compile_targets")):
+        targets.update(contributed)
+    return targets
 
 
 def env_info() -> dict[str, str]:
     info: dict[str, str] = {}
-    for impl in registry().manager.hook.dinfer_rt_env_info.get_hookimpls():
-        try:
-            info.update({str(k): str(v) for k, v in (_call(impl) or {}).items()})
-        except Exception as e:
-            info[f"{impl.plugin_name} (error)"] = f"{type(e).__name__}: {e}"
+    for _, contributed in reversed(registry().call("dinfer_rt_env_info")):
+        info.update({str(k): str(v) for k, v in contributed.items()})
     return info
 
 
-def availability(cls: type[Backend]) -> Availability:
+def availability(backend: type[Backend] | Backend) -> Availability:
+    """The probe's answer for a backend class (default choice) or a configured instance."""
     try:
-        return cls().is_available()
+        return (backend() if isinstance(backend, type) else backend).is_available()
     except Exception as e:
         return Availability(False, f"availability probe raised {type(e).__name__}: {e}")
 
 
 def describe_all() -> str:
-    """One line per backend and per failed plugin: what a selection error shows."""
+    """One line per backend and per plugin failure: what a selection error shows."""
     reg = registry()
     lines = []
     for name, cls in sorted(reg.backends.items()):
         a = availability(cls)
         lines.append(f"  {name}: {'available' if a.ok else 'unavailable'} ({a.reason})")
-    lines += [f"  plugin {f.name}: not loaded ({f.reason})" for f in reg.failures]
+    for f in reg.failures:
+        where = "not loaded" if f.hook is None else f"failed in {f.hook}"
+        lines.append(f"  plugin {f.name}: {where} ({f.reason})")
     return "\n".join(lines) or "  (no backend plugins found: is dinfer-rt installed?)"
 
 
+def parse_choice(raw: str, source: str) -> tuple[str, str, str]:
+    """``name[:flavour[:arch]]`` -> its parts (``name::arch`` keeps the default flavour); an empty
+    name, an empty trailing part or extra parts are an error naming ``source``."""
+    parts = [p.strip() for p in raw.split(":")]
+    if len(parts) > 3 or not parts[0] or not parts[-1]:
+        raise BackendError(f"backend choice {raw!r} from {source} is not name[:flavour[:arch]] (empty or extra parts)")
+    name, flavour, arch = (parts + ["", ""])[:3]
+    return name, flavour, arch
+
+
 def select_backend(choice: str | None = None) -> Backend:
-    """Resolve ``choice`` (or ``DINFER_BACKEND``, or auto-detect) to a backend instance.
+    """Resolve ``choice`` (or ``DINFER_BACKEND``, or auto-detect) to a configured backend: the
+    same instance is validated, probed, identified and handed its plugin contributions.
 
     The resolved name is written back to ``DINFER_BACKEND`` for child processes.
     """
     raw = choice or envs.get(envs.DINFER_BACKEND)
     reg = registry()
     if raw is None:
-        ranked = sorted(reg.backends.values(), key=lambda c: -c.priority)
-        for cls in ranked:
-            if availability(cls):
-                return _resolved(cls())
+        for cls in sorted(reg.backends.values(), key=lambda c: -c.priority):
+            backend = cls()
+            if availability(backend):
+                return _resolved(backend)
         raise BackendError(f"no backend is available; backends:\n{describe_all()}")
-    name, _, rest = raw.partition(":")
-    flavour, _, arch = rest.partition(":")
+    source = _source(choice)
+    name, flavour, arch = parse_choice(raw, source)
     if name not in reg.backends:
         failed = [f for f in reg.failures if f.name == name]
         why = f" (its plugin failed: {failed[0].reason})" if failed else ""
-        raise BackendError(f"unknown backend {name!r} from {_source(choice)}{why}; backends:\n{describe_all()}")
+        raise BackendError(f"unknown backend {name!r} from {source}{why}; backends:\n{describe_all()}")
     backend = reg.backends[name]()
     if flavour:
         backend.flavour = flavour
     if arch:
         backend.arch = arch
     if (bad := backend.validate_choice()) is not None:
-        raise BackendError(f"{bad} (from {_source(choice)})")
-    a = availability(type(backend))
+        raise BackendError(f"{bad} (from {source})")
+    a = availability(backend)
     if not a:
         raise BackendError(
-            f"backend {name!r} chosen by {_source(choice)} is unavailable: {a.reason}; backends:\n{describe_all()}"
+            f"backend {raw!r} chosen by {source} is unavailable: {a.reason}; backends:\n{describe_all()}"
         )
     return _resolved(backend)
 
@@ -208,5 +323,7 @@ def _source(choice: str | None) -> str:
 
 
 def _resolved(backend: Backend) -> Backend:
+    backend.identify()
+    backend.contributions = contributions(backend)
     os.environ[envs.DINFER_BACKEND] = backend.describe()
     return backend

@@ -1,10 +1,16 @@
 """Model families: read config.json into a :class:`ModelSpec` and list the tensors it implies.
 
-Families (``models.md``): ``llada`` (LLaDA-8B layout), ``dream`` (Qwen2 names, shifted
+Families (``docs/models.md``): ``llada`` (LLaDA-8B layout), ``dream`` (Qwen2 names, shifted
 logits), ``llada_moe`` (LLaDA-MoE-7B-A1B), ``llada2`` (LLaDA2.0 / BailingMoeV2: fused
 ``query_key_value``, partial RoPE, group-limited sigmoid router, first dense layers,
 block-causal attention). The family is decided from ``architectures`` / ``model_type``
 and MoE fields, never from ``model_type`` alone (dense LLaDA and LLaDA-MoE share it).
+
+Defaults: a field a config.json omits takes the upstream configuration class's default (the
+``DEFAULTS`` table per family), or, where that default is a variant dinfer-rt does not
+implement (LLaDA's LayerNorm, a non-RoPE model, biased LLaDA2 linears...), the field is
+required. A field that changes the math and is not implemented is rejected naming it; a
+config's value is never silently replaced.
 """
 
 from __future__ import annotations
@@ -17,6 +23,56 @@ from typing import Any
 from dinfer_rt.errors import ConfigError
 
 FAMILIES = ("llada", "dream", "llada_moe", "llada2")
+
+# Upstream configuration-class defaults of the fields dinfer-rt reads (LLaDA: the OLMo-derived
+# ModelConfig of configuration_llada.py; Dream: Qwen2Config; LLaDA-MoE: LLaDAMoEConfig; LLaDA2:
+# LLaDA2MoeConfig). Absent here = no usable default: the field is required.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "llada": {
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_sequence_length": 1024,
+        "weight_tying": True,
+        "mlp_ratio": 4,
+        "activation_type": "swiglu",
+    },
+    "dream": {
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+    },
+    "llada_moe": {
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 50000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+        "partial_rotary_factor": 1.0,
+        "qk_layernorm": True,
+    },
+    "llada2": {
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 16384,
+        "tie_word_embeddings": False,
+        "partial_rotary_factor": 0.5,
+        "routed_scaling_factor": 2.5,
+        "n_group": 8,
+        "topk_group": 4,
+        "num_shared_experts": 0,
+        "first_k_dense_replace": 0,
+        "use_qk_norm": True,
+    },
+}
+
+# Turn-end / end-of-text token strings whose ids end a generation, per family (with the config's
+# eos_token_id and the tokenizer's eos_token). LLaDA2 / LLaDA-MoE use the Ling chat format.
+EOS_TOKENS: dict[str, tuple[str, ...]] = {
+    "llada": ("<|eot_id|>", "<|endoftext|>"),
+    "dream": ("<|im_end|>", "<|endoftext|>"),
+    "llada_moe": ("<|role_end|>", "<|endoftext|>"),
+    "llada2": ("<|role_end|>", "<|endoftext|>"),
+}
 
 
 @dataclass(frozen=True)
@@ -84,6 +140,32 @@ class _Fields:
             return default
         return self._typed(name, kind or type(default))
 
+    def upstream(self, name: str, kind: type | None = None) -> Any:
+        """The field, else the upstream config class's default (``DEFAULTS``), else an error."""
+        default = DEFAULTS[self.family].get(name)
+        if default is None:
+            return self.need(name, kind=kind or int)
+        return self.get(name, default, kind or type(default))
+
+    def supported(self, name: str, allowed: tuple, default: Any = None, required: bool = False) -> Any:
+        """A field that selects a variant of the math: absent takes the upstream ``default``
+        (``required``: upstream's default is a variant not implemented); any value outside
+        ``allowed`` is rejected naming the field."""
+        if name not in self.cfg:
+            if required:
+                raise ConfigError(
+                    f"{self.path}: missing field {name!r}: the upstream default {default!r} is not supported "
+                    f"for {self.family} (supported: {', '.join(map(repr, allowed))})"
+                )
+            return default
+        value = self.cfg[name]
+        if not any(value == a and type(value) is type(a) for a in allowed):  # True is not 1 here
+            raise ConfigError(
+                f"{self.path}: field {name!r} = {value!r} is not supported for {self.family} "
+                f"(supported: {', '.join(map(repr, allowed))})"
+            )
+        return value
+
     def _typed(self, name: str, kind: type) -> Any:
         value = self.cfg[name]
         ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
@@ -114,7 +196,12 @@ def detect_family(cfg: dict[str, Any], path: Path) -> str:
     arch = " ".join(archs) if isinstance(archs, list) else str(archs)
     auto = json.dumps(cfg.get("auto_map", {}))
     mtype = str(cfg.get("model_type", ""))
-    if mtype.startswith("llada2") or "LLaDA2" in arch or "Bailing" in arch:
+    if ("Bailing" in arch or mtype.startswith("bailing")) and "LLaDA2" not in arch and not mtype.startswith("llada2"):
+        raise ConfigError(
+            f"{path}: architectures {archs} (model_type {mtype!r}) is an autoregressive Ling/BailingMoe model, "
+            "not a diffusion model; dinfer-rt runs LLaDA2 checkpoints (LLaDA2MoeModelLM, model_type llada2_moe)"
+        )
+    if mtype.startswith("llada2") or "LLaDA2" in arch:
         return "llada2"
     if mtype.lower() == "dream" or "Dream" in arch:
         return "dream"
@@ -138,7 +225,7 @@ def _eos_ids(f: _Fields) -> tuple[int, ...]:
 
 
 def _rotary_dim(f: _Fields, head_dim: int) -> int:
-    factor = f.get("partial_rotary_factor", 1.0, float)
+    factor = f.get("partial_rotary_factor", DEFAULTS[f.family].get("partial_rotary_factor", 1.0), float)
     rd = int(head_dim * factor)
     if not 0 < rd <= head_dim or rd % 2:
         raise ConfigError(f"{f.path}: partial_rotary_factor {factor} gives rotary dim {rd}, not an even 1..{head_dim}")
@@ -160,42 +247,24 @@ def parse_spec(model_dir: Path, cfg: dict[str, Any] | None = None) -> ModelSpec:
         "mask_id": f.get("mask_token_id", None, int),
     }
     if family == "llada":
-        hidden, heads = f.need("d_model"), f.need("n_heads")
-        for flag in ("include_bias", "include_qkv_bias", "attention_layer_norm", "scale_logits", "input_emb_norm"):
-            if f.get(flag, False, bool):
-                raise ConfigError(f"{path}: field {flag!r} = true is not supported for llada (LLaDA-8B has false)")
-        if f.get("block_type", "llama", str) != "llama":
-            raise ConfigError(f"{path}: field 'block_type' {cfg['block_type']!r} unsupported; expected 'llama'")
-        spec = ModelSpec(
-            hidden=hidden,
-            n_layers=f.need("n_layers"),
-            n_heads=heads,
-            n_kv_heads=f.get("n_kv_heads", heads, int),
-            head_dim=hidden // heads,
-            vocab=f.get("embedding_size", None, int) or f.need("vocab_size"),
-            intermediate=f.need("mlp_hidden_size"),
-            eps=f.get("rms_norm_eps", 1e-5, float),
-            rope_theta=f.get("rope_theta", 10000.0, float),
-            rotary_dim=hidden // heads,
-            tie_embeddings=f.get("weight_tying", False, bool),
-            max_length=f.get("max_sequence_length", 4096, int),
-            **common,
-        )
+        spec = _llada(f, common)
     else:
+        _no_unimplemented(f)
         hidden, heads = f.need("hidden_size"), f.need("num_attention_heads")
         head_dim = f.get("head_dim", hidden // heads, int)
+        kv_heads = f.get("num_key_value_heads", 0, int) if family == "llada2" else f.need("num_key_value_heads")
         base = dict(
             hidden=hidden,
             n_layers=f.need("num_hidden_layers"),
             n_heads=heads,
-            n_kv_heads=f.get("num_key_value_heads", heads, int),
+            n_kv_heads=kv_heads or heads,  # LLaDA2: 0 (its default) means one KV head per query head
             head_dim=head_dim,
             vocab=f.need("vocab_size"),
-            eps=f.get("rms_norm_eps", 1e-6, float),
-            rope_theta=f.get("rope_theta", 10000.0, float),
+            eps=f.upstream("rms_norm_eps", float),
+            rope_theta=f.upstream("rope_theta", float),
             rotary_dim=_rotary_dim(f, head_dim),
-            tie_embeddings=f.get("tie_word_embeddings", False, bool),
-            max_length=f.get("max_position_embeddings", 4096, int),
+            tie_embeddings=f.upstream("tie_word_embeddings", bool),
+            max_length=f.upstream("max_position_embeddings", int),
             **common,
         )
         if family == "dream":
@@ -207,59 +276,154 @@ def parse_spec(model_dir: Path, cfg: dict[str, Any] | None = None) -> ModelSpec:
                 **base,
             )
         elif family == "llada_moe":
-            moe = MoESpec(
-                n_experts=f.need("num_experts"),
-                top_k=f.need("num_experts_per_tok"),
-                expert_intermediate=f.need("expert_intermediate_size", "moe_intermediate_size"),
-                router="softmax",
-                renormalize=f.get("norm_topk_prob", False, bool),
-            )
-            spec = ModelSpec(
-                intermediate=moe.expert_intermediate, qk_norm=f.get("qk_layernorm", True, bool), moe=moe, **base
-            )
-        else:  # llada2
-            if f.get("use_qkv_bias", False, bool):
-                raise ConfigError(f"{path}: field 'use_qkv_bias' = true is not supported for llada2")
-            router = f.get("score_function", "sigmoid", str)
-            if router != "sigmoid":
-                raise ConfigError(f"{path}: field 'score_function' {router!r} unsupported; expected 'sigmoid'")
-            inter = f.need("intermediate_size")
-            moe = MoESpec(
-                n_experts=f.need("num_experts"),
-                top_k=f.need("num_experts_per_tok"),
-                expert_intermediate=f.need("moe_intermediate_size"),
-                router="sigmoid_grouped",
-                renormalize=f.get("norm_topk_prob", True, bool),
-                routed_scale=f.get("routed_scaling_factor", 1.0, float),
-                n_group=f.get("n_group", 1, int),
-                topk_group=f.get("topk_group", 1, int),
-                n_shared=f.get("num_shared_experts", 0, int),
-                first_k_dense=f.get("first_k_dense_replace", 0, int),
-                dense_intermediate=inter,
-            )
-            spec = ModelSpec(
-                intermediate=inter,
-                qk_norm=f.get("use_qk_norm", True, bool),
-                fused_qkv=True,
-                block_causal=True,
-                default_block_size=f.get("block_size", 32, int),
-                moe=moe,
-                **base,
-            )
+            spec = _llada_moe(f, base)
+        else:
+            spec = _llada2(f, base)
     _check_spec(spec, path)
     return spec
 
 
+def _llada(f: _Fields, common: dict[str, Any]) -> ModelSpec:
+    """LLaDA-8B's OLMo-derived config. Variants of the math it does not implement are refused;
+    where the config class's default is such a variant (LayerNorm, sequential blocks, no RoPE),
+    the field must be present."""
+    f.supported("layer_norm_type", ("rms",), "default", required=True)
+    f.supported("block_type", ("llama",), "sequential", required=True)
+    f.supported("rope", (True,), False, required=True)
+    f.supported("activation_type", ("silu", "swiglu"), "swiglu")
+    f.supported("alibi", (False,), False)
+    f.supported("bias_for_layer_norm", (None, False), None)
+    f.supported("clip_qkv", (None,), None)
+    f.supported("layer_norm_with_affine", (True,), True)
+    for flag in ("include_bias", "include_qkv_bias", "attention_layer_norm", "scale_logits", "input_emb_norm"):
+        f.supported(flag, (False,), False)
+    hidden, heads = f.need("d_model"), f.need("n_heads")
+    if "embedding_size" not in f.cfg:
+        raise ConfigError(
+            f"{f.path}: missing field 'embedding_size' (the upstream default is 50304 rows, not vocab_size; "
+            "write null to use vocab_size)"
+        )
+    mqa = f.get("multi_query_attention", False, bool)
+    return ModelSpec(
+        hidden=hidden,
+        n_layers=f.need("n_layers"),
+        n_heads=heads,
+        n_kv_heads=f.get("n_kv_heads", 1 if mqa else heads, int),
+        head_dim=hidden // heads if heads > 0 else 0,
+        vocab=f.get("embedding_size", None, int) or f.need("vocab_size"),
+        intermediate=f.get("mlp_hidden_size", None, int) or f.upstream("mlp_ratio", int) * hidden,
+        eps=f.upstream("rms_norm_eps", float),
+        rope_theta=f.upstream("rope_theta", float),
+        rotary_dim=hidden // heads if heads > 0 else 0,
+        tie_embeddings=f.upstream("weight_tying", bool),
+        max_length=f.upstream("max_sequence_length", int),
+        **common,
+    )
+
+
+def _no_unimplemented(f: _Fields) -> None:
+    """Fields of the HF-style families that change the math and are not implemented."""
+    f.supported("hidden_act", ("silu",), "silu")
+    f.supported("clip_qkv", (None,), None)
+    f.supported("rope_scaling", (None,), None)
+
+
+def _llada_moe(f: _Fields, base: dict[str, Any]) -> ModelSpec:
+    """LLaDA-MoE: softmax top-k routing, no renormalisation (the upstream model ignores
+    ``norm_topk_prob``), every layer an MoE layer, no shared experts, no expert bias."""
+    layers = base["n_layers"]
+    freq = f.cfg.get("moe_layer_freq")
+    if freq is not None and freq != 1 and freq != [1] * layers:
+        raise ConfigError(
+            f"{f.path}: field 'moe_layer_freq' = {freq!r} has dense layers, which are not supported for "
+            f"llada_moe (supported: every layer MoE, [1] * {layers})"
+        )
+    if f.get("shared_expert_intermediate_size", 0, int) > 0:
+        raise ConfigError(f"{f.path}: field 'shared_expert_intermediate_size' > 0: shared experts are not supported")
+    f.supported("moe_router_enable_expert_bias", (False,), False)
+    f.supported("moe_router_score_function", ("softmax",), "softmax")
+    f.supported("attention_bias", (False,), False)
+    f.supported("router_num_group", (None,), None)
+    f.supported("router_topk_group", (None,), None)
+    if f.get("routed_scaling_factor", 1.0, float) != 1.0:
+        raise ConfigError(f"{f.path}: field 'routed_scaling_factor' != 1 is not supported for llada_moe")
+    moe = MoESpec(
+        n_experts=f.need("num_experts"),
+        top_k=f.need("num_experts_per_tok"),
+        expert_intermediate=f.need("expert_intermediate_size", "moe_intermediate_size"),
+        router="softmax",
+        renormalize=False,
+    )
+    return ModelSpec(intermediate=moe.expert_intermediate, qk_norm=f.upstream("qk_layernorm", bool), moe=moe, **base)
+
+
+def _llada2(f: _Fields, base: dict[str, Any]) -> ModelSpec:
+    """LLaDA2.0 (BailingMoeV2 layout): sigmoid group-limited routing with expert bias. The
+    upstream gate renormalises only when it keeps more than one expert."""
+    f.supported("use_qkv_bias", (False,), False)
+    f.supported("use_bias", (False,), True, required=True)
+    f.supported("norm_head", (False,), False)
+    f.supported("score_function", ("sigmoid",), "sigmoid")
+    inter = f.need("intermediate_size")
+    top_k = f.need("num_experts_per_tok")
+    moe = MoESpec(
+        n_experts=f.need("num_experts"),
+        top_k=top_k,
+        expert_intermediate=f.need("moe_intermediate_size"),
+        router="sigmoid_grouped",
+        renormalize=f.need("norm_topk_prob", kind=bool) and top_k > 1,
+        routed_scale=f.upstream("routed_scaling_factor", float),
+        n_group=f.upstream("n_group", int),
+        topk_group=f.upstream("topk_group", int),
+        n_shared=f.upstream("num_shared_experts", int),
+        first_k_dense=f.upstream("first_k_dense_replace", int),
+        dense_intermediate=inter,
+    )
+    return ModelSpec(
+        intermediate=inter,
+        qk_norm=f.upstream("use_qk_norm", bool),
+        fused_qkv=True,
+        block_causal=True,
+        default_block_size=f.get("block_size", 32, int),
+        moe=moe,
+        **base,
+    )
+
+
 def _check_spec(s: ModelSpec, path: Path) -> None:
+    sizes = (
+        ("layers", s.n_layers),
+        ("hidden size", s.hidden),
+        ("attention heads", s.n_heads),
+        ("KV heads", s.n_kv_heads),
+        ("head dim", s.head_dim),
+        ("intermediate size", s.intermediate),
+        ("vocab", s.vocab),
+        ("max length", s.max_length),
+    )
+    for name, v in sizes:
+        if v <= 0:
+            raise ConfigError(f"{path}: {name} must be positive, found {v}")
     if s.n_heads % s.n_kv_heads:
         raise ConfigError(f"{path}: {s.n_heads} attention heads is not a multiple of {s.n_kv_heads} KV heads")
     if s.family == "llada" and s.hidden % s.n_heads:
         raise ConfigError(f"{path}: d_model {s.hidden} is not divisible by n_heads {s.n_heads}")
-    for name, v in (("layers", s.n_layers), ("hidden size", s.hidden), ("vocab", s.vocab)):
-        if v <= 0:
-            raise ConfigError(f"{path}: {name} must be positive, found {v}")
-    if s.moe is not None and s.moe.top_k > s.moe.n_experts:
-        raise ConfigError(f"{path}: num_experts_per_tok {s.moe.top_k} exceeds num_experts {s.moe.n_experts}")
+    if not s.eps > 0:
+        raise ConfigError(f"{path}: rms_norm_eps must be > 0, found {s.eps}")
+    if not s.rope_theta > 0:
+        raise ConfigError(f"{path}: rope_theta must be > 0, found {s.rope_theta}")
+    if s.moe is not None:
+        m = s.moe
+        for name, v in (("num_experts", m.n_experts), ("num_experts_per_tok", m.top_k)):
+            if v <= 0:
+                raise ConfigError(f"{path}: {name} must be positive, found {v}")
+        if m.top_k > m.n_experts:
+            raise ConfigError(f"{path}: num_experts_per_tok {m.top_k} exceeds num_experts {m.n_experts}")
+        if m.n_group <= 0 or m.n_experts % m.n_group or not 0 < m.topk_group <= m.n_group:
+            raise ConfigError(
+                f"{path}: n_group {m.n_group} / topk_group {m.topk_group} do not divide {m.n_experts} experts "
+                "into groups with 1..n_group kept"
+            )
 
 
 # ------------------------------------------------------------------------------ tensor plan

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from dinfer_rt.ir.types import TensorType, same_dim
 
 
@@ -295,6 +296,25 @@ def attention_mask(
     return allowed | ~allowed.any(-1, keepdim=True)
 
 
+def splice_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    token_index: torch.Tensor,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys and values an attention op attends over, with their sequence positions.
+
+    With a cache ([B, S, KV, D] buffers indexed by position) this forward's K/V are written in
+    place at ``token_index`` and the whole cache is attended over (positions 0..S-1); without
+    one, the fresh K/V at ``token_index``. Every attention kernel starts here."""
+    if k_cache is None:
+        return k, v, token_index
+    k_cache.index_copy_(1, token_index, k)
+    v_cache.index_copy_(1, token_index, v)
+    return k_cache, v_cache, torch.arange(k_cache.shape[1], device=k.device)
+
+
 @_register("attention", (5, 7), mutates=(5, 6))(_infer_attention)
 def attention(
     q, k, v, key_valid, token_index, k_cache=None, v_cache=None, *, scale: float, block_size: int | None = None
@@ -307,13 +327,7 @@ def attention(
     cache inputs. ``key_valid`` [B, S] masks padding; ``block_size`` adds the LLaDA2
     block-causal rule on absolute positions (blocks aligned to position 0).
     """
-    if k_cache is not None:
-        k_cache.index_copy_(1, token_index, k)
-        v_cache.index_copy_(1, token_index, v)
-        keys, values = k_cache, v_cache
-        key_index = torch.arange(k_cache.shape[1], device=q.device)
-    else:
-        keys, values, key_index = k, v, token_index
+    keys, values, key_index = splice_kv(k, v, token_index, k_cache, v_cache)
     mask = attention_mask(key_valid, token_index, key_index, block_size)
     groups = q.shape[2] // keys.shape[2]
     qh, kh, vh = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
@@ -513,55 +527,8 @@ def _infer_lm_head_confidence(ts, attrs):
 def lm_head_confidence(h: torch.Tensor, weight: torch.Tensor, *, banned: int, kind: str = "max", chunk: int = 8192):
     """Fused LM head + confidence; reference semantics = its decomposition
     ``confidence(linear(h, weight))``. Backends implement it without building the
-    [positions x vocab] probabilities (see the cpu backend's chunked kernel)."""
+    [positions x vocab] probabilities (the cpu backend's chunked kernel, the Triton kernel)."""
     return confidence(linear(h, weight), banned=banned, kind=kind)
-
-
-def lm_head_confidence_chunked(
-    h: torch.Tensor, weight: torch.Tensor, *, banned: int, kind: str = "max", chunk: int = 8192
-):
-    """Online-softmax kernel for ``lm_head_confidence``: one vocabulary chunk of logits at a time,
-    tracking the running max m, Z = sum exp(z - m), the top-2 logits with the argmax, and
-    (for entropy) S = sum exp(z - m) * (z - m), since sum p log p = S / Z - log Z."""
-    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
-    shape = h.shape[:-1]
-    neg = torch.full(shape, float("-inf"), dtype=acc, device=h.device)
-    m, top1, top2 = neg.clone(), neg.clone(), neg.clone()
-    z_sum = torch.zeros(shape, dtype=acc, device=h.device)
-    s_sum = torch.zeros(shape, dtype=acc, device=h.device)
-    best = torch.zeros(shape, dtype=torch.int64, device=h.device)
-
-    def finite(t):
-        return torch.where(torch.isfinite(t), t, torch.zeros_like(t))
-
-    for lo in range(0, weight.shape[0], chunk):
-        z = F.linear(h, weight[lo : lo + chunk]).to(acc)
-        if lo <= banned < lo + z.shape[-1]:
-            z[..., banned - lo] = float("-inf")
-        c2 = z.topk(min(2, z.shape[-1]), dim=-1)
-        cmax, carg = c2.values[..., 0], c2.indices[..., 0]
-        csecond = c2.values[..., 1] if z.shape[-1] > 1 else torch.full_like(cmax, float("-inf"))
-        new_m = torch.maximum(m, cmax)
-        ref = finite(new_m)
-        rescale = torch.where(torch.isfinite(m), torch.exp(m - ref), torch.zeros_like(ref))
-        e = torch.exp(z - ref[..., None])
-        if kind == "entropy":  # S = sum exp(z - ref) * (z - ref), carried across a change of ref
-            shift = torch.where(torch.isfinite(m), m - ref, torch.zeros_like(ref))
-            s_sum = rescale * (s_sum + shift * z_sum) + (e * finite(z - ref[..., None])).sum(-1)
-        z_sum = z_sum * rescale + e.sum(-1)
-        top2 = torch.maximum(torch.minimum(top1, cmax), torch.maximum(top2, csecond))
-        best = torch.where(cmax > top1, carg + lo, best)
-        top1 = torch.maximum(top1, cmax)
-        m = new_m
-    ref = finite(m)
-    p1 = torch.exp(top1 - ref) / z_sum
-    if kind == "max":
-        return p1, best
-    if kind == "margin":
-        return p1 - torch.exp(top2 - ref) / z_sum, best
-    if kind == "entropy":  # sum p log p = sum p (z - ref - log Z) = S / Z - log Z, no cancellation
-        return s_sum / z_sum - torch.log(z_sum), best
-    raise OpTypeError(f"lm_head_confidence: unknown kind {kind!r} (max, margin, entropy)")
 
 
 # ---------------------------------------------------------------- attention with QK-norm and RoPE folded in

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dinfer_rt.backends.ascend import ops as ascend_ops
-from dinfer_rt.backends.ascend import triton_kernels as tk
-from dinfer_rt.backends.ascend.plugin import AscendBackend
-from dinfer_rt.ir import ops
 
 import dinfer_rt
 from dinfer_rt import plugins
 from dinfer_rt.backend import Availability
+from dinfer_rt.backends.ascend import launch as tk
+from dinfer_rt.backends.ascend import ops as ascend_ops
+from dinfer_rt.backends.ascend.plugin import AscendBackend
+from dinfer_rt.ir import ops
 from dinfer_rt.testing import simulated_torch_npu
 
 pytest.importorskip("triton")
@@ -131,16 +131,18 @@ def test_grouped_router_maps_on_the_documented_shape_and_falls_back_elsewhere(as
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["max", "margin", "entropy"])
-def test_triton_ascend_confidence_kernel(dtype, kind, monkeypatch):
+def test_shared_confidence_kernel_on_a_persistent_grid(dtype, kind, monkeypatch):
     """Persistent grid of 5 programs over 13 rows in blocks of 2, vocab 1001 in sub-blocks of 64,
     the mask token banned; against the float64 reference (fp32 1e-5, 16-bit inputs 1e-5 too: the
     kernel widens them exactly)."""
+    from dinfer_rt.backends.triton import kernels
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     g = torch.Generator().manual_seed(len(kind))
     logits = (3 * torch.randn(13, 1001, generator=g)).to(dtype)
     score, token = torch.empty(13), torch.empty(13, dtype=torch.int64)
     kind_id = ["max", "margin", "entropy"].index(kind)
-    tk.confidence_kernel[(5,)](logits, score, token, 13, 1001, 7, KIND=kind_id, BLOCK_V=64, ROWS=2)
+    kernels.confidence_kernel[(5,)](logits, score, token, 13, 1001, 7, KIND=kind_id, BLOCK_V=64, ROWS=2)
     want, want_token = ops.confidence(logits.double(), banned=7, kind=kind)
     assert torch.equal(token, want_token)
     assert ((score.double() - want).abs().max() / want.abs().max()).item() <= 1e-5
@@ -189,7 +191,7 @@ def test_acl_graphs_are_wired_through_torch_npu(ascend, ckpt_dir, monkeypatch):
     NPUGraph (the capture itself needs an NPU; its bookkeeping is tested with the cuda backend)."""
     import types
 
-    from dinfer_rt.backends.cuda.graphs import GraphedExecutable
+    from dinfer_rt.backends.triton.graphs import GraphedExecutable
 
     model = dinfer_rt.load_model(ckpt_dir("llada"), backend="ascend", dtype="bfloat16")
     exe = model.executable(True)
@@ -205,10 +207,11 @@ def test_acl_graphs_are_wired_through_torch_npu(ascend, ckpt_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("rule", ["top_k", "threshold"])
-def test_triton_ascend_commit_kernel_matches_the_rules(rule, monkeypatch):
+def test_shared_commit_kernel_persistent_over_vector_cores(rule, monkeypatch):
     """Persistent over 7 rows on a grid of 3 'cores'; equals strategies' low_confidence and
     threshold rules and writes the block of the sequence in place."""
     from dinfer_rt import strategies
+    from dinfer_rt.backends.triton.ops import commit
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     g = torch.Generator().manual_seed(2)
@@ -219,5 +222,6 @@ def test_triton_ascend_commit_kernel_matches_the_rules(rule, monkeypatch):
     seq = torch.full((b, slots + 4), -1)
     step = strategies.StepInput(None, masked, quota, 0.0, None, x0=x0, conf=conf)
     want_x0, want = (strategies.low_confidence if rule == "top_k" else strategies.make_threshold(0.6))(step)
-    got = tk.commit(conf, masked, quota, x0, seq[:, 2 : 2 + slots], rule=rule, vector_cores=3, threshold=0.6)
+    launch = tk.commit_launch(vector_cores=3)
+    got = commit(conf, masked, quota, x0, seq[:, 2 : 2 + slots], rule=rule, threshold=0.6, **launch)
     assert torch.equal(got, want) and torch.equal(seq[:, 2 : 2 + slots], torch.where(want, want_x0, -1))

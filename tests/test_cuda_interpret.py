@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dinfer_rt.ir import ops
 
 import dinfer_rt
 from dinfer_rt import plugins
+from dinfer_rt.ir import ops
 
 pytest.importorskip("triton")
 # Padding lanes (rows past the end, masked experts) hold -inf and produce NaN there in numpy; they
@@ -321,9 +321,8 @@ def test_unknown_compile_target_is_a_clean_error():
 def test_commit_selection_kernel_matches_the_rules(cuda, rule, slots):
     """The device-side decisions equal strategies' low_confidence (rank-masked top-k with the
     schedule's quota) and threshold (with the at-least-one rule), and write the block in place."""
-    from dinfer_rt.backends.cuda.ops import commit
-
     from dinfer_rt import strategies
+    from dinfer_rt.backends.triton.ops import commit
 
     g = torch.Generator().manual_seed(slots)
     b = 5
@@ -342,7 +341,7 @@ def test_commit_selection_kernel_matches_the_rules(cuda, rule, slots):
 
 
 def test_autotuner_times_once_and_remembers_on_disk(tmp_path):
-    from dinfer_rt.backends.cuda.autotune import Autotuner
+    from dinfer_rt.backends.triton.autotune import Autotuner
 
     ticks = iter(range(10_000))
     speed = {16: 3.0, 32: 1.0, 64: 2.0}  # fake seconds per run: 32 wins
@@ -420,7 +419,7 @@ def test_graphed_forward_replays_with_static_buffers_and_recaptures_on_new_shape
     """The graph bookkeeping on the CPU: one capture per input signature, inputs copied into
     static buffers, KV caches bound by address (a new cache is a new capture), results equal to
     the eager executable, outputs overwritten in place by the next replay."""
-    from dinfer_rt.backends.cuda.graphs import GraphedExecutable, mutated_inputs
+    from dinfer_rt.backends.triton.graphs import GraphedExecutable, mutated_inputs
 
     model = dinfer_rt.load_model(ckpt_dir("llada"), backend="cuda")
     eager = model.executable(True)
@@ -453,8 +452,7 @@ def test_scheduler_decides_on_the_device_with_the_same_tokens(cuda, monkeypatch,
     """With a backend commit kernel, greedy threshold / top-k decoding keeps the sequence on the
     device and decides there (no per-step host sync); tokens equal the host path on cpu, for a
     padded batch of different prompt lengths with early stop."""
-    from dinfer_rt.backends.cuda import ops as cuda_ops
-
+    from dinfer_rt.backends.triton import ops as cuda_ops
     from dinfer_rt.demo import task
 
     calls = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dinfer_rt.ir import OPS, Graph, IRError, Node, TensorType, Value
 from dinfer_rt.ir.ops import attention, router_sigmoid_grouped
 

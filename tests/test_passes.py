@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from dinfer_rt.ir import Graph, IRError, TensorType
 
 import dinfer_rt
 from dinfer_rt.errors import DinferError
+from dinfer_rt.ir import Graph, IRError, TensorType
 from dinfer_rt.passes import Pass, PassContext, PassManager, default_pipeline
 from dinfer_rt.passes import fusion as rules
 
@@ -169,7 +169,7 @@ def test_confidence_head_never_builds_the_probability_tensor():
     at least the float32 [32 x 126464] tensor the unfused graph materialises."""
     from dinfer_rt.layouts import LLADA_8B
     from dinfer_rt.lowering import lower
-    from dinfer_rt.passes import schedule
+    from dinfer_rt.passes import reorder
     from dinfer_rt.plugins import select_backend
     from dinfer_rt.spec import param_plan, parse_spec
 
@@ -177,12 +177,12 @@ def test_confidence_head_never_builds_the_probability_tensor():
     weights = {p.name: torch.empty(p.shape, device="meta") for p in param_plan(spec)}  # nothing allocated
     bind = {"B": 1, "T": 32, "S": 1024, "M": 32}
     before = lower(spec, torch.float32, cached=True, head="confidence", mask_id=126336)
-    peak_before = schedule.peak_bytes(before, list(range(len(before.nodes))), bind)
+    peak_before = reorder.peak_bytes(before, list(range(len(before.nodes))), bind)
     after, counts = select_backend("cpu").optimize(
         lower(spec, torch.float32, cached=True, head="confidence", mask_id=126336), weights
     )
     assert counts["lm_head_confidence"] == 1 and "linear" not in [n.op for n in after.nodes[-2:]]
-    peak_after = schedule.peak_bytes(after, list(range(len(after.nodes))), bind)
+    peak_after = reorder.peak_bytes(after, list(range(len(after.nodes))), bind)
     # The unfused graph holds the f32 logits while its confidence op builds f32 probabilities of the
     # same size (op workspace, simulated); the fused kernel holds one vocabulary chunk.
     assert peak_before - peak_after >= 32 * 126464 * 4
@@ -212,7 +212,6 @@ def test_routing_fold_does_not_fire_when_router_weights_escape(ckpt_dir):
 
 def test_backend_cost_decision_and_priority(ckpt_dir):
     from dinfer_rt.backends.cpu import CpuBackend
-
     from dinfer_rt.lowering import lower
     from dinfer_rt.spec import param_plan, parse_spec
 
@@ -222,7 +221,7 @@ def test_backend_cost_decision_and_priority(ckpt_dir):
         def wants_fusion(self, pass_name):
             return pass_name != "add_rms_norm"
 
-        def schedule_priority(self):
+        def reorder_priority(self):
             def reverse_original_order(node, uses, bindings):
                 seen.append(node.op)
                 return 0.0

@@ -156,16 +156,19 @@ def test_trace_plugins_prints_hook_calls(fake_plugins, monkeypatch, capsys):
     assert "[dinfer_rt plugins] fakes.dinfer_rt_register_backends({})" in capsys.readouterr().err
 
 
-def test_launch_config_hook_overrides_the_backends_table(fake_plugins):
+def test_launch_config_hook_overrides_the_backends_table(fake_plugins, monkeypatch):
+    """Gathered once at selection, for the selected arch, and applied over the backend's table."""
     from tests.fake_plugins.good import PartialChip
 
-    class Tuned(PartialChip):
-        def default_launch_config(self, kernel):
-            return {"block_size": 128, "num_stages": 2} if kernel == "rms_norm" else {}
-
-    chip = Tuned()
+    monkeypatch.setattr(
+        PartialChip,
+        "default_launch_config",
+        lambda self, kernel: {"block_size": 128, "num_stages": 2} if kernel == "rms_norm" else {},
+        raising=False,
+    )
+    chip = plugins.select_backend("partialchip")
     assert chip.launch_config("rms_norm") == {"block_size": 128, "num_stages": 2}
-    chip.arch = "v2"
+    chip = plugins.select_backend("partialchip:default:v2")
     assert chip.launch_config("rms_norm") == {"block_size": 256, "num_stages": 2, "num_warps": 8}
     assert chip.launch_config("silu") == {}
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import dinfer_rt
+from dinfer_rt.testing import checkpoints
 
 RTOL = 1e-5
 
@@ -203,9 +204,12 @@ def reference_moe_forward(path, ids, block: int | None = None) -> torch.Tensor:
                     gsize = groups.shape[1]
                     cand = [e for e in range(len(s)) if e // gsize in keep]
                     chosen = sorted(cand, key=lambda e: -biased[e].item())[: cfg["num_experts_per_tok"]]
-                    wts = s[chosen] / s[chosen].sum() * cfg["routed_scaling_factor"]
+                    wts = s[chosen]
+                    if len(chosen) > 1 and cfg["norm_topk_prob"]:  # upstream: no renormalisation at top-1
+                        wts = wts / wts.sum()
+                    wts = wts * cfg["routed_scaling_factor"]
                 else:
-                    probs = logits.softmax(-1)
+                    probs = logits.softmax(-1)  # upstream ignores norm_topk_prob: never renormalised
                     wts, chosen = probs.topk(cfg["num_experts_per_tok"])
                     chosen = chosen.tolist()
                 for wt, e in zip(wts, chosen):
@@ -233,3 +237,27 @@ def test_llada2_block_causal_matches_plain_reference(ckpt_dir, name):
     assert rel_err(got, reference_moe_forward(path, ids, block=4)) <= RTOL
     # The block rule matters: a full bidirectional reference differs.
     assert rel_err(got, reference_moe_forward(path, ids, block=None)) > 1e-3
+
+
+def _rewrite_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_llada_moe_ignores_norm_topk_prob_like_upstream(tmp_path):
+    """The upstream LLaDA-MoE never renormalises its top-k weights, whatever norm_topk_prob says."""
+    path = _rewrite_config(checkpoints.llada_moe(tmp_path / "m"), norm_topk_prob=True)
+    ids = torch.randint(0, 61, (1, 8), generator=torch.Generator().manual_seed(5))
+    got = dinfer_rt.load_model(path).forward(ids)
+    assert rel_err(got, reference_moe_forward(path, ids)) <= RTOL
+
+
+def test_llada2_top1_is_not_renormalised_like_upstream(tmp_path):
+    """With one expert per token the upstream gate keeps the raw sigmoid score (times the scale)."""
+    path = checkpoints.llada2(tmp_path / "m", top_k=1)
+    ids = torch.randint(0, 61, (1, 8), generator=torch.Generator().manual_seed(6))
+    model = dinfer_rt.load_model(path)
+    assert model.spec.moe.renormalize is False
+    assert rel_err(model.forward(ids, block_size=4), reference_moe_forward(path, ids, block=4)) <= RTOL

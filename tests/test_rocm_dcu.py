@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dinfer_rt.backends.rocm_dcu import detect, tuning
 
 import dinfer_rt
 from dinfer_rt import plugins
+from dinfer_rt.backends.rocm_dcu import detect, tuning
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter padding lanes

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
 from dinfer_rt.ir import ops
 
 ATTENTION_LAYOUT = "BNSD"  # q/k/v handed over as [B, N, S, D], contiguous (the op rejects strided input)
@@ -62,13 +63,7 @@ def make_kernels(npu, fallback: Callable[[str, str], None], vector_cores: int, i
     if has("npu_fused_infer_attention_score") and has("npu_fusion_attention"):
 
         def attention(q, key, value, key_valid, token_index, k_cache=None, v_cache=None, *, scale, block_size=None):
-            if k_cache is not None:  # splice the block's K/V into the cache in place
-                k_cache.index_copy_(1, token_index, key)
-                v_cache.index_copy_(1, token_index, value)
-                keys, values = k_cache, v_cache
-                key_index = torch.arange(keys.shape[1], device=q.device)
-            else:
-                keys, values, key_index = key, value, token_index
+            keys, values, key_index = ops.splice_kv(key, value, token_index, k_cache, v_cache)
             allowed = ops.attention_mask(key_valid, token_index, key_index, block_size)
             allowed = allowed.expand(q.shape[0], 1, q.shape[1], keys.shape[1]).contiguous()  # B1SS, as documented
             mask = ~allowed if MASK_TRUE_MEANS_MASKED else allowed
@@ -170,23 +165,16 @@ def triton_usable(interpret: bool) -> bool:
 
 
 def _triton_kernels(vector_cores: int, interpret: bool) -> dict[str, Callable]:
-    """The triton-ascend confidence kernel when ``triton_usable``; else none, and the op takes
-    the fallback."""
+    """The shared Triton confidence kernel under Ascend's launch rules when ``triton_usable``;
+    else none, and the op takes the fallback."""
     if not triton_usable(interpret):
         return {}
-    from dinfer_rt.backends.ascend import triton_kernels as tk
+    import functools
 
-    def confidence(logits, *, banned, kind="max"):
-        z = logits.contiguous()
-        vocab = z.shape[-1]
-        rows = z.numel() // vocab
-        score = torch.empty(z.shape[:-1], dtype=torch.float32, device=z.device)
-        token = torch.empty(z.shape[:-1], dtype=torch.int64, device=z.device)
-        cfg = tk.launch_config(vocab, z.element_size(), vector_cores, rows)
-        kind_id = {"max": 0, "margin": 1, "entropy": 2}[kind]
-        tk.confidence_kernel[(cfg["grid"],)](
-            z, score, token, rows, vocab, banned, KIND=kind_id, BLOCK_V=cfg["BLOCK_V"], ROWS=cfg["ROWS"]
-        )
-        return score, token
+    from dinfer_rt.backends.ascend.launch import launch_config
+    from dinfer_rt.backends.triton.ops import confidence
 
-    return {"confidence": confidence}
+    def launch(vocab: int, elem_bytes: int, rows: int) -> dict:
+        return launch_config(vocab, elem_bytes, vector_cores, rows)
+
+    return {"confidence": functools.partial(confidence, launch=launch)}

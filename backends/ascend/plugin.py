@@ -1,7 +1,7 @@
 """Entry point of the ``ascend`` backend.
 
-The probe never imports torch_npu into this process (torch_npu initialises once per process,
-hardware.md §2.2): it checks that torch_npu is installed and that CANN's runtime libraries
+The probe never imports torch_npu into this process (torch_npu initialises once per process;
+docs/backends/ascend.md): it checks that torch_npu is installed and that CANN's runtime libraries
 can be found, and names what is missing.
 """
 
@@ -19,6 +19,8 @@ import torch
 from dinfer_rt.backend import Availability, Backend, Capabilities
 from dinfer_rt.envs import DINFER_GRAPHS, DINFER_INTERPRET, flag
 from dinfer_rt.plugins import hookimpl
+
+DINFER_RT_HOOK_API = 2
 
 CANN_HOME_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")
 
@@ -42,7 +44,6 @@ class AscendBackend(Backend):
     name = "ascend"
     flavour = "910b"
     device_type = "npu"
-    visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
     priority = 20
 
     def is_available(self) -> Availability:
@@ -58,7 +59,7 @@ class AscendBackend(Backend):
 
     # Ascend 910B1/B2 (published, unconfirmed): 24 AI (cube) cores, 48 vector cores, 192 KB UB.
     AI_CORES, VECTOR_CORES = 24, 48
-    # Fusions that pay on this chip (vllm-ascend's passes; hardware.md §2.3), each backed by a fused
+    # Fusions that pay on this chip (vllm-ascend's passes; docs/backends/ascend.md), each backed by a fused
     # operator: add+RMSNorm (npu_add_rms_norm), gate/up merge + SwiGLU (npu_swiglu). The others
     # (QKV merge, RoPE folded into attention, routing folded into MoE, LM head + confidence) have
     # no operator here and stay off.
@@ -75,14 +76,16 @@ class AscendBackend(Backend):
             "vector_cores": self.VECTOR_CORES,
             "unified_buffer_bytes": 192 * 1024,
             "graph_capture": "ACL graph via torch.npu.NPUGraph with DINFER_GRAPHS=1 (unverified on hardware)",
-            "collectives": "hccl",
+            "alignment_bytes": 32,
         }
-        return Capabilities(dtypes=(torch.float32, torch.bfloat16, torch.float16), alignment_bytes=32, extra=extra)
+        dtypes = (torch.float32, torch.bfloat16, torch.float16)
+        return Capabilities(dtypes=dtypes, collectives="hccl", extra=extra)
 
     def kernels(self):
         """torch_npu fused operators for the ops that have one (imported here, after selection,
         once: importing registers the ``npu`` device), plus the triton-ascend confidence kernel."""
         import torch_npu
+
         from dinfer_rt.backends.ascend.ops import make_kernels
 
         return make_kernels(torch_npu, self._constraint_fallback, self.VECTOR_CORES, flag(DINFER_INTERPRET))
@@ -91,21 +94,23 @@ class AscendBackend(Backend):
         """With DINFER_GRAPHS=1, forwards replay ACL graphs captured per shape (torch.npu.NPUGraph)."""
         exe = super().compile(graph, weights)
         if flag(DINFER_GRAPHS) and self.device_type == "npu":
-            from dinfer_rt.backends.cuda.graphs import GraphAPI, GraphedExecutable
+            from dinfer_rt.backends.triton.graphs import GraphAPI, GraphedExecutable
 
             return GraphedExecutable(exe, GraphAPI("npu"))
         return exe
 
     def commit_kernel(self):
-        """The triton-ascend commit kernel where a Triton that runs it exists (triton-ascend, or
-        the interpreter); else None and the scheduler decides on the host."""
+        """The shared Triton commit kernel, persistent over the vector cores, where a Triton that
+        runs it exists (triton-ascend, or the interpreter); else None and the scheduler decides
+        on the host."""
         from dinfer_rt.backends.ascend.ops import triton_usable
 
         if not triton_usable(flag(DINFER_INTERPRET)):
             return None
-        from dinfer_rt.backends.ascend import triton_kernels as tk
+        from dinfer_rt.backends.ascend.launch import commit_launch
+        from dinfer_rt.backends.triton.ops import commit
 
-        return functools.partial(tk.commit, vector_cores=self.VECTOR_CORES)
+        return functools.partial(commit, **commit_launch(self.VECTOR_CORES))
 
     def _constraint_fallback(self, op: str, reason: str) -> None:
         self.constraint_fallbacks[op] = self.constraint_fallbacks.get(op, 0) + 1

@@ -9,12 +9,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from dinfer_rt.ir import OPS
-from dinfer_rt.ir.ops import lm_head_confidence_chunked
 
 from dinfer_rt.backend import Availability, Backend, Capabilities
+from dinfer_rt.backends.cpu.kernels import lm_head_confidence_chunked
 from dinfer_rt.executor import Kernel
-
+from dinfer_rt.ir import OPS
 
 class CpuBackend(Backend):
     name = "cpu"
@@ -25,8 +24,16 @@ class CpuBackend(Backend):
     def is_available(self) -> Availability:
         return Availability(True, f"torch {torch.__version__} on the CPU, {torch.get_num_threads()} threads")
 
+    def validate_choice(self) -> str | None:
+        """The cpu backend has one flavour (subclasses: their own class default)."""
+        own = type(self).flavour
+        if self.flavour != own:
+            return f"backend {self.name} has no flavour {self.flavour!r}; its flavour is {own!r}"
+        return None
+
     def capabilities(self) -> Capabilities:
-        return Capabilities(dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64))
+        dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+        return Capabilities(dtypes=dtypes, collectives="gloo")
 
     def kernels(self) -> Mapping[str, Kernel]:
         kernels = {name: op.reference for name, op in OPS.items()}

@@ -1,3 +1,2 @@
-"""NVIDIA backend (``cuda``). Triton kernels are the next step (issue "CUDA backend"); until
-then every IR op runs through the declared fallback: the reference torch implementation on
-CUDA tensors, counted and shown by ``dinfer-rt ir --backend cuda``."""
+"""NVIDIA backend (``cuda``): the shared Triton kernels (``dinfer_rt.backends.triton``) with
+NVIDIA's probe, capabilities and tuning rows; ptxas-based ahead-of-time builds."""

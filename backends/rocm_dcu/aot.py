@@ -1,15 +1,15 @@
-"""Ahead-of-time HIP compilation of the shared Triton kernels with this backend's tuning rows:
+"""Ahead-of-time HIP builds of the shared Triton kernels with this backend's tuning rows:
 ``dinfer-rt kernels compile --target rocm_dcu:gfx942`` (also gfx90a, gfx906) reports VGPR/SGPR
 use, spills and LDS per kernel from the AMDGCN metadata. Upstream Triton's HIP backend does
-this without a device; gfx928/gfx936 (Hygon) need the DTK build of Triton."""
+this without a device; gfx928/gfx936 (Hygon) need the DTK build of Triton: asking for them
+explains that instead of failing deep inside the compiler."""
 
 from __future__ import annotations
 
 import re
 
-from dinfer_rt.backends.cuda.aot import build, kernel_specs, report_row
 from dinfer_rt.backends.rocm_dcu import tuning
-
+from dinfer_rt.backends.triton.aot import compile_each
 from dinfer_rt.errors import BackendError
 
 
@@ -27,31 +27,23 @@ def compile_hip(arch: str) -> list[dict]:
             f"of Triton on a DTK machine (ROCM_PATH=/opt/dtk); upstream Triton here compiles "
             f"{', '.join(tuning.COMPILABLE)}"
         )
-    if arch not in tuning.COMPILABLE:
-        known = ", ".join(f"rocm_dcu:{a}" for a in tuning.ARCHS)
-        raise BackendError(f"unknown kernel target {target!r}; rocm_dcu targets: {known}")
     from triton.backends.compiler import GPUTarget
 
-    rows = []
-    for name, signature, constexprs, warps in kernel_specs(tuning.TUNING[arch], tuning.dtype_name(arch)):
-        try:
-            compiled = build(name, signature, constexprs, warps, GPUTarget("hip", arch, 64))
-        except Exception as e:  # an MLIR/LLVM failure: name the kernel and target, keep the cause
-            raise BackendError(f"Triton HIP compile of {name} for {target} failed: {str(e).strip()[-300:]}") from e
+    def resources(name: str, compiled) -> dict:
         asm = compiled.asm["amdgcn"]
-        rows.append(
-            report_row(
-                name,
-                target,
-                warps,
-                constexprs,
-                registers=_meta(asm, "vgpr_count"),
-                sgprs=_meta(asm, "sgpr_count"),
-                spill_stores=_meta(asm, "vgpr_spill_count"),  # VGPRs spilled to scratch memory
-                spill_loads=None,  # the AMDGCN metadata counts spilled registers, not loads
-                sgpr_spills=_meta(asm, "sgpr_spill_count"),  # SGPRs spilled (into VGPR lanes)
-                lds_bytes=_meta(asm, "group_segment_fixed_size"),
-                shared_bytes=compiled.metadata.shared,
-            )
-        )
-    return rows
+        return {
+            "registers": _meta(asm, "vgpr_count"),
+            "sgprs": _meta(asm, "sgpr_count"),
+            "spill_stores": _meta(asm, "vgpr_spill_count"),  # VGPRs spilled to scratch memory
+            "spill_loads": None,  # the AMDGCN metadata counts spilled registers, not loads
+            "sgpr_spills": _meta(asm, "sgpr_spill_count"),  # SGPRs spilled (into VGPR lanes)
+            "lds_bytes": _meta(asm, "group_segment_fixed_size"),
+            "shared_bytes": compiled.metadata.shared,
+        }
+
+    return compile_each(target, tuning.TUNING[arch], tuning.dtype_name(arch), GPUTarget("hip", arch, 64), resources)
+
+
+def targets() -> dict:
+    """Every rocm_dcu arch with a tuning row (DTK-only ones explain where to compile them)."""
+    return {f"rocm_dcu:{arch}": (lambda arch=arch: compile_hip(arch)) for arch in tuning.ARCHS}

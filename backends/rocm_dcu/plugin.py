@@ -2,41 +2,35 @@
 
 Chosen as ``DINFER_BACKEND=rocm_dcu[:hygon|:amd[:gfxNNN]]``. The probe (``is_available``) reads
 ``torch.version.hip`` only; the flavour and arch are identified after selection from the device
-properties (see ``detect.py``), unless the choice names them. Kernel source is shared with
-``cuda``; this backend owns the capability records and wave64 tuning rows (``tuning.py``).
+properties (see ``detect.py``), unless the choice names them. Kernels are the shared Triton
+library's; this folder owns the capability records and wave64 tuning rows (``tuning.py``).
 ``DINFER_INTERPRET=1`` runs the kernels with this arch's tuning under Triton's interpreter.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-from collections.abc import Mapping
 
 import torch
-from dinfer_rt.backends.cuda.plugin import interpreting, triton_commit, triton_kernels, triton_version
-from dinfer_rt.backends.rocm_dcu import detect, tuning
 
-from dinfer_rt.backend import Availability, Backend, Capabilities
-from dinfer_rt.executor import Kernel
+from dinfer_rt.backend import Availability, Capabilities
+from dinfer_rt.backends.rocm_dcu import detect, tuning
+from dinfer_rt.backends.triton.backend import TritonBackend, interpreting, triton_installed, triton_version
+from dinfer_rt.backends.triton.launch import INTERPRETER_PARALLELISM
 from dinfer_rt.plugins import hookimpl
 
+DINFER_RT_HOOK_API = 2
 
-class RocmDcuBackend(Backend):
+
+class RocmDcuBackend(TritonBackend):
     name = "rocm_dcu"
     flavour = "auto"
-    device_type = "cuda"  # HIP builds of torch use the cuda device type
-    visible_devices_env = "HIP_VISIBLE_DEVICES"
     priority = 25
     identified_by = "not identified yet"
     _identified = False
 
-    def __init__(self) -> None:
-        if interpreting():
-            self.device_type = "cpu"
-
     def is_available(self) -> Availability:
-        if importlib.util.find_spec("triton") is None:
+        if not triton_installed():
             return Availability(False, "triton is not installed (on DCU: the DTK build of Triton)")
         if interpreting():
             return Availability(True, "DINFER_INTERPRET=1: Triton kernels run on CPU tensors with wave64 tuning")
@@ -77,10 +71,6 @@ class RocmDcuBackend(Backend):
         self.flavour = ident.flavour if self.flavour == "auto" else self.flavour
         self.arch, self.identified_by = ident.arch, ident.how
 
-    def describe(self) -> str:
-        self.identify()  # after selection: name the flavour and arch actually used
-        return super().describe()
-
     def capabilities(self) -> Capabilities:
         self.identify()
         rec = tuning.record(self.arch)
@@ -93,28 +83,14 @@ class RocmDcuBackend(Backend):
             "confirmed": rec.confirmed,
             "identified_by": self.identified_by,
         }
-        return Capabilities(dtypes=dtypes, warp_size=64, extra=extra)
-
-    def kernels(self) -> Mapping[str, Kernel]:
-        self.identify()
-        return triton_kernels(self, self.tuning())
-
-    def commit_kernel(self):
-        return triton_commit()
+        return Capabilities(dtypes=dtypes, warp_size=64, collectives="nccl (RCCL)", extra=extra)
 
     def tuning(self) -> dict:
         """The arch's wave64 row; under the interpreter, with its rows/heads per program raised
         (tile shapes, hence numerics, stay the arch's)."""
-        from dinfer_rt.backends.cuda.launch import INTERPRETER_PARALLELISM
-
         self.identify()
         row = tuning.TUNING[self.arch]
         return {**row, **INTERPRETER_PARALLELISM} if interpreting() else row
-
-    def default_launch_config(self, kernel: str) -> dict:
-        from dinfer_rt.backends.cuda.launch import default_config
-
-        return default_config(kernel, self.tuning())
 
     def versions(self) -> dict[str, str]:
         tools = ",".join(t for t in ("hy-smi", "rocm-smi") if shutil.which(t)) or "none"
@@ -124,3 +100,10 @@ class RocmDcuBackend(Backend):
 @hookimpl
 def dinfer_rt_register_backends():
     return [RocmDcuBackend]
+
+
+@hookimpl
+def dinfer_rt_compile_targets():
+    from dinfer_rt.backends.rocm_dcu.aot import targets
+
+    return targets()

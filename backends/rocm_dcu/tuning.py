@@ -2,8 +2,8 @@
 
 Every arch here runs 64-wide wavefronts: a Triton "warp" is 64 lanes, so NVIDIA's warp counts
 halve for the same tile. Hygon arch ids come from issues and PRs, not vendor documentation
-(hardware.md §5.1): the gfx928/gfx936 records are marked unconfirmed. The tuning rows use the
-shared launch functions in ``dinfer_rt.backends.cuda.launch``; no kernel needs a structurally
+(docs/backends/rocm_dcu.md): the gfx928/gfx936 records are marked unconfirmed. The tuning rows use the
+shared launch functions in ``dinfer_rt.backends.triton.launch``; no kernel needs a structurally
 different wave64 variant so far (the tiles differ, the source does not).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dinfer_rt.backends.cuda.launch import ARCH_TABLE as CUDA_ROWS
+from dinfer_rt.backends.triton.launch import GPU_DEFAULTS
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ COMPILABLE = tuple(a for a, r in ARCHS.items() if r.upstream_triton)
 DTK_ONLY = tuple(a for a, r in ARCHS.items() if not r.upstream_triton)
 
 _WAVE64 = dict(
-    CUDA_ROWS["sm_90"],
+    GPU_DEFAULTS,
     warps_per_4k=4,  # 4 x 64 lanes per 4096 columns: 16 elements per lane, as on NVIDIA
     max_warps=8,
     attn_m=64,

@@ -1,5 +1,6 @@
 """The pass manager: named phases, per-backend pipelines, the verifier after every pass,
-per-pass match counts, ``DINFER_DUMP_IR`` dumps and ``DINFER_DISABLE_PASSES`` bisection."""
+per-pass match counts, ``DINFER_DUMP_IR`` dumps, and passes disabled by parameter or by
+``DINFER_DISABLE_PASSES`` (bisection of a miscompile)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ import torch
 
 from dinfer_rt import envs
 from dinfer_rt.ir import Graph, IRError, Value
-from dinfer_rt.passes import cleanup, fusion, schedule
+from dinfer_rt.passes import cleanup, fusion, reorder
 
 
 @dataclass(frozen=True)
 class Pass:
     name: str
-    phase: str  # "cleanup" | "fusion" | "schedule"
+    phase: str  # "cleanup" | "fusion" | "reorder"
     run: Callable[[Graph, PassContext], int]  # returns how many rewrites it made
     needs_ops: tuple[str, ...] = ()  # fused ops the backend must have kernels for
 
@@ -53,25 +54,29 @@ def default_pipeline() -> list[Pass]:
         Pass("fold_rope_into_attention", "fusion", fusion.fold_rope_into_attention, needs_ops=("rope_attention",)),
         Pass("fold_routing_into_moe", "fusion", fusion.fold_routing_into_moe, needs_ops=("moe_routed",)),
         Pass("dce_after_fusion", "cleanup", cleanup.dead_code),
-        Pass("reorder_memory", "schedule", schedule.reorder),
+        Pass("reorder_memory", "reorder", reorder.reorder),
     ]
 
 
 class PassManager:
     def __init__(
-        self, passes: list[Pass], native_ops: set[str] | None = None, priority: Callable | None = None
+        self,
+        passes: list[Pass],
+        native_ops: set[str] | None = None,
+        priority: Callable | None = None,
+        disabled: tuple[str, ...] | list[str] = (),
     ) -> None:
         self.priority = priority
-        disabled = {p.strip() for p in (envs.get(envs.DINFER_DISABLE_PASSES) or "").split(",") if p.strip()}
+        from_env = {p.strip() for p in (envs.get(envs.DINFER_DISABLE_PASSES) or "").split(",") if p.strip()}
         known = {p.name for p in passes} | {p.name for p in default_pipeline()}  # a backend may drop some
-        unknown = disabled - known
-        if unknown:
-            from dinfer_rt.errors import DinferError
+        from dinfer_rt.errors import DinferError
 
-            raise DinferError(
-                f"{envs.DINFER_DISABLE_PASSES} names unknown pass(es) {sorted(unknown)}; "
-                f"passes: {', '.join(sorted(known))}"
-            )
+        for source, names in ((envs.DINFER_DISABLE_PASSES, from_env), ("disable_passes", set(disabled))):
+            if unknown := names - known:
+                raise DinferError(
+                    f"{source} names unknown pass(es) {sorted(unknown)}; passes: {', '.join(sorted(known))}"
+                )
+        disabled = from_env | set(disabled)
         self.passes = [
             p
             for p in passes

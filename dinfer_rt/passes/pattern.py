@@ -11,13 +11,20 @@ from dinfer_rt.ir import Graph, Node, Value
 
 
 class P:
-    """A pattern node: ``op`` (None: wildcard), argument patterns, an optional capture name,
-    and for wildcards an optional value kind (``"param"``, ``"input"``, ``"node"``)."""
+    """A pattern node: ``op`` (None: wildcard; a tuple: any of these ops), argument patterns, an
+    optional capture name, and for wildcards an optional value kind (``"param"``, ``"input"``,
+    ``"node"``). Argument patterns are matched against the first inputs; more inputs may follow."""
 
     __slots__ = ("op", "args", "name", "kind")
 
-    def __init__(self, op: str | None = None, *args: P, name: str | None = None, kind: str | None = None) -> None:
+    def __init__(
+        self, op: str | tuple[str, ...] | None = None, *args: P, name: str | None = None, kind: str | None = None
+    ) -> None:
         self.op, self.args, self.name, self.kind = op, args, name, kind
+
+    def roots(self) -> tuple[str, ...]:
+        """The ops a node must have for this pattern to match its first output."""
+        return (self.op,) if isinstance(self.op, str) else tuple(self.op or ())
 
 
 def producers(graph: Graph) -> dict[int, Node]:
@@ -36,7 +43,7 @@ def match(p: P, v: Value | None, prod: dict[int, Node], caps: dict[str, object] 
     if p.op is None:
         return caps if p.kind is None or v.kind == p.kind else None
     node = prod.get(id(v))
-    if node is None or node.op != p.op or len(p.args) > len(node.inputs):
+    if node is None or node.op not in p.roots() or len(p.args) > len(node.inputs):
         return None
     if p.name is not None:
         caps[p.name + ".node"] = node

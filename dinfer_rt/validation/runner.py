@@ -80,21 +80,12 @@ def coverage(backend: Backend) -> dict:
 
 def pass_checks(backend: Backend, ckpts: dict[str, Path], dtype: torch.dtype) -> dict:
     """Fused versus unfused logits on this backend, for the passes active on it."""
-    import os
-
     rows, ok = [], True
     for name, path in ckpts.items():
         ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(SEED))
         fused = load_model(path, backend=backend.name, dtype=dtype, tokenizer=False)
-        old = os.environ.get(envs.DINFER_DISABLE_PASSES)
-        os.environ[envs.DINFER_DISABLE_PASSES] = ",".join(p.name for p in backend.passes())
-        try:
-            plain = load_model(path, backend=backend.name, dtype=dtype, tokenizer=False)
-        finally:
-            if old is None:
-                os.environ.pop(envs.DINFER_DISABLE_PASSES)
-            else:
-                os.environ[envs.DINFER_DISABLE_PASSES] = old
+        disabled = [p.name for p in backend.passes()]
+        plain = load_model(path, backend=backend.name, dtype=dtype, tokenizer=False, disable_passes=disabled)
         a, b = fused.forward(ids, block_size=4).double().cpu(), plain.forward(ids, block_size=4).double().cpu()
         rel = ((a - b).abs().max() / b.abs().max()).item()
         passed = rel <= model_checks.MODEL_TOLERANCE[dtype]

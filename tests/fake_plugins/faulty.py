@@ -1,10 +1,12 @@
 """Backends with one subtly wrong kernel each: the validation suite must catch and name them."""
 
 import torch
+
 from dinfer_rt.backends.cpu.backend import CpuBackend
 from dinfer_rt.ir import ops
-
 from dinfer_rt.plugins import hookimpl
+
+DINFER_RT_HOOK_API = 2
 
 
 def rms_norm_eps_off(x, weight, *, eps):

@@ -2,10 +2,12 @@
 one with a partial kernel table), extra kernels for its own backend, and environment info."""
 
 import torch.nn.functional as F
-from dinfer_rt.backends.cpu.backend import CpuBackend
 
 from dinfer_rt.backend import Availability, Backend
+from dinfer_rt.backends.cpu.backend import CpuBackend
 from dinfer_rt.plugins import hookimpl
+
+DINFER_RT_HOOK_API = 2
 
 CALLS = {"silu": 0, "rms_norm": 0}
 
@@ -39,9 +41,25 @@ class PartialChip(Backend):
         return {"silu": counting_silu}
 
 
+class FlavouredChip(CpuBackend):
+    """Available only in its 'real' flavour: a choice naming another flavour must be refused."""
+
+    name = "flavouredchip"
+    flavour = "real"
+    priority = -2
+
+    def validate_choice(self):  # any flavour may be named; only 'real' is available
+        return None
+
+    def is_available(self):
+        if self.flavour != "real":
+            return Availability(False, f"flavour {self.flavour} has no driver here")
+        return Availability(True, "real flavour")
+
+
 @hookimpl
 def dinfer_rt_register_backends():
-    return [FastFake, MissingChip, PartialChip]
+    return [FastFake, MissingChip, PartialChip, FlavouredChip]
 
 
 @hookimpl
@@ -73,8 +91,8 @@ def dinfer_rt_register_passes(backend_name):
 
 
 @hookimpl
-def dinfer_rt_launch_config(backend_name, kernel, arch):
+def dinfer_rt_launch_config(backend_name, arch):
     """Tunes partialchip's rms_norm for arch 'v2' only."""
-    if backend_name == "partialchip" and kernel == "rms_norm" and arch == "v2":
-        return {"block_size": 256, "num_warps": 8}
+    if backend_name == "partialchip" and arch == "v2":
+        return {"rms_norm": {"block_size": 256, "num_warps": 8}}
     return None

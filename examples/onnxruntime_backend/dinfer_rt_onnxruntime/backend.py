@@ -6,10 +6,10 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
-from dinfer_rt.ir import Graph
 
 from dinfer_rt.backend import Availability, Backend, Capabilities
 from dinfer_rt.errors import BackendError
+from dinfer_rt.ir import Graph
 from dinfer_rt_onnxruntime.export import OUTPUT_SUFFIX, export
 
 

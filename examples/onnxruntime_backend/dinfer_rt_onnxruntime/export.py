@@ -8,10 +8,10 @@ from collections.abc import Mapping
 import numpy as np
 import onnx
 import torch
-from dinfer_rt.ir import Graph, Value
 from onnx import TensorProto, helper, numpy_helper
 
 from dinfer_rt.errors import BackendError
+from dinfer_rt.ir import Graph, Value
 
 OPSET = 18
 ONNX_DTYPES = {

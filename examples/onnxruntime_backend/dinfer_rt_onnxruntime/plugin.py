@@ -3,6 +3,8 @@
 from dinfer_rt.plugins import hookimpl
 from dinfer_rt_onnxruntime.backend import OnnxRuntimeBackend
 
+DINFER_RT_HOOK_API = 2  # the dinfer-rt hook API this plugin was written for
+
 
 @hookimpl
 def dinfer_rt_register_backends():

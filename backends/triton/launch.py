@@ -1,8 +1,8 @@
 """Launch configuration for the shared Triton kernels, kept apart from the kernel source.
 
-A *tuning row* is plain data per architecture (this file's ``ARCH_TABLE`` for NVIDIA; the
-``rocm_dcu`` backend ships its own rows for 64-wide wavefronts). The functions here turn a row
-and a problem size into launch parameters; plugins override entries through the
+A *tuning row* is plain data per architecture, owned by the device folder (``cuda/tuning.py``
+for NVIDIA, ``rocm_dcu/tuning.py`` for 64-wide wavefronts). The functions here turn a row and a
+problem size into launch parameters; plugins override entries through the
 ``dinfer_rt_launch_config`` hook.
 """
 
@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import triton
 
-# rows: rows per program for row-wise kernels (the interpreter runs one Python step per program,
-# so it wants big tiles); warps_per_4k: warps per 4096 columns; elementwise_block: column block;
-# attn_*: flash-attention tiles, warps and heads per program; gemm_*: tiles of the LM-head and grouped MoE GEMMs;
-# router_elems: elements per routing tile.
+# Row keys: rows: rows per program for row-wise kernels (the interpreter runs one Python step per
+# program, so it wants big tiles); warps_per_4k: warps per 4096 columns; max_warps; elementwise_block:
+# column block; attn_*: flash-attention tiles, warps and heads per program; gemm_*: tiles of the LM-head
+# and grouped MoE GEMMs; router_elems: elements per routing tile.
 # How much one program covers under the interpreter, which runs one Python step per program:
 # more rows / heads per program, same tile shapes otherwise. GPU rows keep 1 row / 1 head.
 INTERPRETER_PARALLELISM = {"rows": 2048, "attn_heads": 8, "router_elems": 2**16}
 
-_GPU = {
+# The base row every GPU-family tuning row starts from (NVIDIA warps of 32 lanes).
+GPU_DEFAULTS = {
     "rows": 1,
     "warps_per_4k": 8,
     "max_warps": 16,
@@ -33,23 +34,11 @@ _GPU = {
     "gemm_warps": 4,
     "router_elems": 512,  # router tile (rows x padded experts): top-k keeps several copies live
 }
-ARCH_TABLE = {
-    "sm_80": dict(_GPU, attn_warps=8),  # 4 warps spill 204 B in attention (ptxas, head_dim 128)
-    "sm_90": dict(_GPU, attn_warps=8),
-    "interpret": dict(
-        _GPU, warps_per_4k=1, elementwise_block=2048, attn_warps=1, gemm_warps=1, **INTERPRETER_PARALLELISM
-    ),
-}
-
 
 # What DINFER_AUTOTUNE=1 tries on top of a row's defaults (timed once per shape bucket, cached).
 AUTOTUNE_SPACE = {
     "attention": [{"BLOCK_N": n, "num_warps": w} for n in (16, 32, 64) for w in (4, 8)],
 }
-
-
-def table(arch: str | None) -> dict:
-    return ARCH_TABLE.get(arch or "sm_90", ARCH_TABLE["sm_90"])
 
 
 def row_config(n_cols: int, t: dict) -> dict:

@@ -4,12 +4,12 @@ original order's (hypothesis over random graphs), and the buffer plan."""
 from __future__ import annotations
 
 import torch
-from dinfer_rt.ir import Graph, TensorType
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dinfer_rt.ir import Graph, TensorType
 from dinfer_rt.lowering import lower
-from dinfer_rt.passes import PassContext, schedule
+from dinfer_rt.passes import PassContext, reorder
 from dinfer_rt.spec import parse_spec
 
 
@@ -37,16 +37,16 @@ def random_graph(draw_ops: list[tuple[int, int, int]]) -> Graph:
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 50), st.integers(0, 50)), min_size=1, max_size=30))
 def test_list_schedule_is_topological_and_never_worse(ops):
     g = random_graph(ops)
-    order = schedule.list_schedule(g)
+    order = reorder.list_schedule(g)
     assert sorted(order) == list(range(len(g.nodes)))
     pos = {i: p for p, i in enumerate(order)}
-    for i, preds in enumerate(schedule.dependencies(g)):
+    for i, preds in enumerate(reorder.dependencies(g)):
         assert all(pos[p] < pos[i] for p in preds)
-    before = schedule.peak_bytes(g, list(range(len(g.nodes))))
+    before = reorder.peak_bytes(g, list(range(len(g.nodes))))
     n = len(g.nodes)
-    assert schedule.reorder(g, PassContext({})) >= 0
+    assert reorder.reorder(g, PassContext({})) >= 0
     g.verify()
-    assert schedule.peak_bytes(g, list(range(n))) <= before
+    assert reorder.peak_bytes(g, list(range(n))) <= before
 
 
 def test_effect_edge_keeps_cache_reads_before_the_splice(ckpt_dir):
@@ -55,8 +55,8 @@ def test_effect_edge_keeps_cache_reads_before_the_splice(ckpt_dir):
     g.output("peek", g.op("cast", cache, dtype=torch.float64))  # reads the cache: must precede the write
     reader = len(g.nodes) - 1
     writer = next(i for i, n in enumerate(g.nodes) if n.op == "attention" and n.inputs[5] is cache)
-    assert reader in schedule.dependencies(g)[writer]
-    order = schedule.list_schedule(g)
+    assert reader in reorder.dependencies(g)[writer]
+    order = reorder.list_schedule(g)
     assert order.index(reader) < order.index(writer)
 
 
@@ -70,16 +70,16 @@ def test_reorder_lowers_peak_when_the_original_order_is_bad():
         acc = g.op("add", acc, s)
     g.output("y", acc)
     ctx = PassContext({})
-    before = schedule.peak_bytes(g, list(range(len(g.nodes))))
-    assert schedule.reorder(g, ctx) > 0
-    after = schedule.peak_bytes(g.verify(), list(range(len(g.nodes))))
+    before = reorder.peak_bytes(g, list(range(len(g.nodes))))
+    assert reorder.reorder(g, ctx) > 0
+    after = reorder.peak_bytes(g.verify(), list(range(len(g.nodes))))
     assert after < before and ctx.reports["peak_bytes"] == {"before": before, "after": after}
 
 
 def test_buffer_plan_reuses_memory_and_never_overlaps_live_values(ckpt_dir):
     g = lower(parse_spec(ckpt_dir("llada")), torch.float32)
-    offsets, arena = schedule.buffer_plan(g)
-    total = sum(schedule.nbytes(o, schedule.DEFAULT_BINDINGS) for n in g.nodes for o in n.outputs)
+    offsets, arena = reorder.buffer_plan(g)
+    total = sum(reorder.nbytes(o, reorder.DEFAULT_BINDINGS) for n in g.nodes for o in n.outputs)
     assert arena < total / 4
     life: dict[int, tuple[int, int]] = {}
     for i, n in enumerate(g.nodes):
@@ -88,7 +88,7 @@ def test_buffer_plan_reuses_memory_and_never_overlaps_live_values(ckpt_dir):
         for v in n.inputs:
             if v is not None and id(v) in life:
                 life[id(v)] = (life[id(v)][0], i)
-    sizes = {id(o): schedule.nbytes(o, schedule.DEFAULT_BINDINGS) for n in g.nodes for o in n.outputs}
+    sizes = {id(o): reorder.nbytes(o, reorder.DEFAULT_BINDINGS) for n in g.nodes for o in n.outputs}
     items = list(offsets.items())
     for a, (va, oa) in enumerate(items):
         for vb, ob in items[a + 1 :]:

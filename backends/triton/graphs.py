@@ -17,9 +17,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-from dinfer_rt.ir import OPS
 
 from dinfer_rt.executor import Executable
+from dinfer_rt.ir import OPS
 
 Run = Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
 

@@ -1,7 +1,12 @@
-"""Triton kernel source for the ``cuda`` backend (launch configuration lives in ``launch.py``).
+"""Triton kernel source shared by every Triton backend (cuda, rocm_dcu, ascend through
+triton-ascend). Launch configuration lives in ``launch.py`` and the device folders' tuning rows;
+kernels that must run differently on a chip take that as a launch parameter, not a copy: the
+confidence and commit kernels stride over rows (``for row in range(pid, n, num_programs)``), so
+a grid of one program per row (GPUs) and a persistent grid of one program per vector core
+(Ascend) run the same source.
 
-Each program handles ROWS rows as a 2-D tile (one row per program on a GPU is ROWS=1; the
-interpreter wants large tiles, since it runs one Python step per program). Numerics follow
+Each row-wise program handles ROWS rows as a 2-D tile (one row per program on a GPU is ROWS=1;
+the interpreter wants large tiles, since it runs one Python step per program). Numerics follow
 the IR ops: statistics and rotations in fp32, outputs in the input dtype. Under
 ``TRITON_INTERPRET=1`` (``DINFER_INTERPRET=1``) the kernels run on CPU tensors.
 """
@@ -117,6 +122,53 @@ def rope_kernel(
 
 
 @triton.jit
+def _confidence_start(ROWS: tl.constexpr):
+    """Running state of the online softmax over the vocabulary: max m, Z = sum exp(z - m),
+    S = sum exp(z - m)(z - m) (entropy), the top-2 logits and the argmax."""
+    neg = tl.full((ROWS,), float("-inf"), tl.float32)
+    zero = tl.zeros((ROWS,), tl.float32)
+    return neg, zero, zero, neg, neg, tl.zeros((ROWS,), tl.int64)
+
+
+@triton.jit
+def _confidence_step(z, cols, m, z_sum, s_sum, top1, top2, best, KIND: tl.constexpr):
+    """Fold one vocabulary chunk of logits ``z`` [R, C] (excluded entries -inf) at columns
+    ``cols`` [C] into the running state (ties go to the lowest column)."""
+    neg = float("-inf")
+    cmax = tl.max(z, axis=1)
+    carg = tl.min(tl.where(z == cmax[:, None], cols[None, :], 2147483647), axis=1).to(tl.int64)
+    csecond = tl.max(tl.where(cols[None, :] == carg[:, None], neg, z), axis=1)
+    new_m = tl.maximum(m, cmax)
+    ref = tl.where(new_m == neg, 0.0, new_m)
+    rescale = tl.where(m == neg, 0.0, tl.exp(m - ref))
+    e = tl.exp(z - ref[:, None])
+    if KIND == 2:
+        shift = tl.where(m == neg, 0.0, m - ref)
+        d = tl.where(z == neg, 0.0, z - ref[:, None])
+        s_sum = rescale * (s_sum + shift * z_sum) + tl.sum(e * d, axis=1)
+    z_sum = z_sum * rescale + tl.sum(e, axis=1)
+    top2 = tl.maximum(tl.minimum(top1, cmax), tl.maximum(top2, csecond))
+    best = tl.where(cmax > top1, carg, best)
+    top1 = tl.maximum(top1, cmax)
+    return new_m, z_sum, s_sum, top1, top2, best
+
+
+@triton.jit
+def _confidence_score(m, z_sum, s_sum, top1, top2, KIND: tl.constexpr):
+    """KIND 0: max probability, 1: margin (top-1 minus top-2 probability), 2: negative entropy
+    (sum p log p = S / Z - log Z, without cancellation)."""
+    ref = tl.where(m == float("-inf"), 0.0, m)
+    p1 = tl.exp(top1 - ref) / z_sum
+    if KIND == 0:
+        score = p1
+    elif KIND == 1:
+        score = p1 - tl.exp(top2 - ref) / z_sum
+    else:
+        score = s_sum / z_sum - tl.log(z_sum)
+    return score
+
+
+@triton.jit
 def lm_head_confidence_kernel(
     h_ptr,
     w_ptr,
@@ -133,19 +185,11 @@ def lm_head_confidence_kernel(
     DOT_F32: tl.constexpr,
 ):
     """Fused LM head + confidence for BLOCK_M rows: logits are built one [BLOCK_M, BLOCK_V] chunk
-    at a time (never the [rows x vocab] tensor) with an online softmax carrying the running max m,
-    Z = sum exp(z - m), the top-2 logits with the argmax and, for entropy, S = sum exp(z - m)(z - m).
-    KIND: 0 = max probability, 1 = margin (top-1 minus top-2 probability), 2 = negative entropy.
+    at a time (never the [rows x vocab] tensor) and folded into the online confidence state.
     DOT_F32 widens the tiles before the dot (interpreter only; see ``_round``)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < n_rows
-    neg = float("-inf")
-    m = tl.full((BLOCK_M,), neg, tl.float32)
-    top1 = tl.full((BLOCK_M,), neg, tl.float32)
-    top2 = tl.full((BLOCK_M,), neg, tl.float32)
-    z_sum = tl.zeros((BLOCK_M,), tl.float32)
-    s_sum = tl.zeros((BLOCK_M,), tl.float32)
-    best = tl.zeros((BLOCK_M,), tl.int64)
+    m, z_sum, s_sum, top1, top2, best = _confidence_start(BLOCK_M)
     for v0 in range(0, vocab, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         vmask = cols < vocab
@@ -158,33 +202,40 @@ def lm_head_confidence_kernel(
             if DOT_F32:  # the interpreter (see _round); exact: 16-bit products are exact in fp32
                 h, w = h.to(tl.float32), w.to(tl.float32)
             acc += tl.dot(h, w, input_precision="ieee")  # "ieee": fp32 stays fp32 (no silent TF32); 16-bit ignores it
-        z = tl.where(vmask[None, :] & (cols[None, :] != banned), acc, neg)
-        cmax = tl.max(z, axis=1)
-        carg = tl.argmax(z, axis=1).to(tl.int64) + v0
-        csecond = tl.max(tl.where(cols[None, :] == carg[:, None], neg, z), axis=1)
-        new_m = tl.maximum(m, cmax)
-        ref = tl.where(new_m == neg, 0.0, new_m)
-        rescale = tl.where(m == neg, 0.0, tl.exp(m - ref))
-        e = tl.exp(z - ref[:, None])
-        if KIND == 2:
-            shift = tl.where(m == neg, 0.0, m - ref)
-            d = tl.where(z == neg, 0.0, z - ref[:, None])
-            s_sum = rescale * (s_sum + shift * z_sum) + tl.sum(e * d, axis=1)
-        z_sum = z_sum * rescale + tl.sum(e, axis=1)
-        top2 = tl.maximum(tl.minimum(top1, cmax), tl.maximum(top2, csecond))
-        best = tl.where(cmax > top1, carg, best)
-        top1 = tl.maximum(top1, cmax)
-        m = new_m
-    ref = tl.where(m == neg, 0.0, m)
-    p1 = tl.exp(top1 - ref) / z_sum
-    if KIND == 0:
-        score = p1
-    elif KIND == 1:
-        score = p1 - tl.exp(top2 - ref) / z_sum
-    else:
-        score = s_sum / z_sum - tl.log(z_sum)
-    tl.store(score_ptr + rows, score, mask=rmask)
+        z = tl.where(vmask[None, :] & (cols[None, :] != banned), acc, float("-inf"))
+        m, z_sum, s_sum, top1, top2, best = _confidence_step(z, cols, m, z_sum, s_sum, top1, top2, best, KIND)
+    tl.store(score_ptr + rows, _confidence_score(m, z_sum, s_sum, top1, top2, KIND), mask=rmask)
     tl.store(token_ptr + rows, best, mask=rmask)
+
+
+@triton.jit
+def confidence_kernel(
+    logits_ptr,
+    score_ptr,
+    token_ptr,
+    n_rows,
+    vocab,
+    banned,
+    KIND: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Logits -> confidence without a probability tensor (no ``tl.dot``: on Ascend this runs on
+    the vector cores). Program p handles row blocks p, p + grid, ... of ROWS rows, each row's
+    vocabulary streamed in BLOCK_V sub-blocks through the online confidence state."""
+    nprog = tl.num_programs(0)
+    for r0 in range(tl.program_id(0) * ROWS, n_rows, nprog * ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        rmask = rows < n_rows
+        m, z_sum, s_sum, top1, top2, best = _confidence_start(ROWS)
+        for v0 in range(0, vocab, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            ok = ((cols < vocab) & (cols != banned))[None, :] & rmask[:, None]
+            z = tl.load(logits_ptr + rows[:, None] * vocab + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            z = tl.where(ok, z, float("-inf"))
+            m, z_sum, s_sum, top1, top2, best = _confidence_step(z, cols, m, z_sum, s_sum, top1, top2, best, KIND)
+        tl.store(score_ptr + rows, _confidence_score(m, z_sum, s_sum, top1, top2, KIND), mask=rmask)
+        tl.store(token_ptr + rows, best, mask=rmask)
 
 
 @triton.jit
@@ -462,32 +513,33 @@ def commit_kernel(
     x0_ptr,
     x_ptr,
     commit_ptr,
+    n_rows,
     n_slots,
     x_stride,
     threshold,
     TOP_K: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
-    """Commit decisions for one row of a block, on the device: TOP_K commits the quota best masked
-    slots (rank = slots with a higher score, ties to the lower index; the low_confidence rule);
-    otherwise masked slots with confidence >= threshold plus the best masked slot (the threshold
-    rule's at-least-one). Committed slots take their candidate token in ``x`` in place."""
-    row = tl.program_id(0)
+    """Commit decisions for the rows of a block, on the device; program p takes rows p,
+    p + grid, ... (one row each on a GPU, persistent over rows on Ascend's vector cores).
+    TOP_K commits the quota best masked slots (rank = slots with a higher score, ties to the
+    lower index; the low_confidence rule); otherwise masked slots with confidence >= threshold
+    plus the best masked slot (the threshold rule's at-least-one). Committed slots take their
+    candidate token in ``x`` in place. The [BLOCK_L, BLOCK_L] rank tile is small for the block
+    lengths diffusion decoding uses (<= 256)."""
     j = tl.arange(0, BLOCK_L)
     inb = j < n_slots
-    masked = (tl.load(masked_ptr + row * n_slots + j, mask=inb, other=0) != 0) & inb
-    conf = tl.where(masked, tl.load(conf_ptr + row * n_slots + j, mask=inb, other=0.0), float("-inf"))
-    i = tl.arange(0, BLOCK_L)
-    other = tl.where(masked, conf, float("-inf"))
-    ahead = (other[None, :] > conf[:, None]) | ((other[None, :] == conf[:, None]) & (i[None, :] < j[:, None]))
-    rank = tl.sum((ahead & masked[None, :]).to(tl.int32), axis=1)
-    n_masked = tl.sum(masked.to(tl.int32), axis=0)
-    if TOP_K:
-        quota = tl.minimum(tl.maximum(tl.load(quota_ptr + row).to(tl.int32), 1), n_masked)
-        commit = masked & (rank < quota)
-    else:
-        commit = masked & ((conf >= threshold) | (rank == 0))
-    x0 = tl.load(x0_ptr + row * n_slots + j, mask=inb, other=0)
-    old = tl.load(x_ptr + row * x_stride + j, mask=inb, other=0)
-    tl.store(x_ptr + row * x_stride + j, tl.where(commit, x0, old), mask=inb)
-    tl.store(commit_ptr + row * n_slots + j, commit.to(tl.int8), mask=inb)
+    for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        masked = (tl.load(masked_ptr + row * n_slots + j, mask=inb, other=0) != 0) & inb
+        conf = tl.where(masked, tl.load(conf_ptr + row * n_slots + j, mask=inb, other=0.0), float("-inf"))
+        ahead = (conf[None, :] > conf[:, None]) | ((conf[None, :] == conf[:, None]) & (j[None, :] < j[:, None]))
+        rank = tl.sum((ahead & masked[None, :]).to(tl.int32), axis=1)
+        if TOP_K:
+            quota = tl.minimum(tl.maximum(tl.load(quota_ptr + row).to(tl.int32), 1), tl.sum(masked.to(tl.int32), 0))
+            commit = masked & (rank < quota)
+        else:
+            commit = masked & ((conf >= threshold) | (rank == 0))
+        x0 = tl.load(x0_ptr + row * n_slots + j, mask=inb, other=0)
+        old = tl.load(x_ptr + row * x_stride + j, mask=inb, other=0)
+        tl.store(x_ptr + row * x_stride + j, tl.where(commit, x0, old), mask=inb)
+        tl.store(commit_ptr + row * n_slots + j, commit.to(tl.int8), mask=inb)

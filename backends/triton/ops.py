@@ -7,12 +7,14 @@ from collections.abc import Callable
 
 import torch
 import triton
-from dinfer_rt.backends.cuda import kernels as kern
-from dinfer_rt.backends.cuda.autotune import Autotuner
-from dinfer_rt.backends.cuda.launch import AUTOTUNE_SPACE, attention_config, row_config
+
+from dinfer_rt.backends.triton import kernels as kern
+from dinfer_rt.backends.triton.autotune import Autotuner
+from dinfer_rt.backends.triton.launch import AUTOTUNE_SPACE, attention_config, row_config
 from dinfer_rt.ir import ops
 
 KERNELS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "lm_head_confidence", "attention", "router", "moe")
+SCORE_KINDS = {"max": 0, "margin": 1, "entropy": 2}
 
 
 def _need_inner_contiguous(op: str, *tensors: torch.Tensor) -> None:
@@ -31,31 +33,49 @@ def first_allowed_block(key_valid: torch.Tensor, key_pos: torch.Tensor, block_si
     return torch.where(first == none, none, lowest).contiguous()
 
 
-def commit(conf, masked, quota, x0, x_block, *, rule: str, threshold: float = 0.9):
+def commit(conf, masked, quota, x0, x_block, *, rule: str, threshold: float = 0.9, programs=None, min_block=16):
     """Device-side commit selection for one block: ``rule`` "top_k" (commit ``quota`` [B] best
     masked slots) or "threshold" (>= ``threshold``, at least the best). Writes the committed
     candidates ``x0`` into ``x_block`` (a [B, L] view of the sequence) and returns the [B, L]
-    commit mask; no host sync."""
+    commit mask; no host sync. ``programs``: a persistent grid of that many programs striding
+    over rows (Ascend's vector cores), else one program per row; ``min_block``: the smallest
+    slot tile (Ascend wants 32-byte aligned int8 tiles)."""
     if rule not in ("top_k", "threshold"):
-        raise ValueError(f"cuda commit: unknown rule {rule!r} (top_k, threshold)")
+        raise ValueError(f"commit: unknown rule {rule!r} (top_k, threshold)")
     b, n = conf.shape
     if x_block.stride(-1) != 1:
-        raise ValueError(f"cuda commit: the block view must have unit stride in L, got {x_block.stride()}")
+        raise ValueError(f"commit: the block view must have unit stride in L, got {x_block.stride()}")
     out = torch.empty((b, n), dtype=torch.int8, device=conf.device)
-    kern.commit_kernel[(b,)](
+    kern.commit_kernel[(programs or b,)](
         conf.float().contiguous(),
         masked.contiguous(),
         quota.contiguous(),
         x0.contiguous(),
         x_block,
         out,
+        b,
         n,
         x_block.stride(0),
         float(threshold),
         TOP_K=rule == "top_k",
-        BLOCK_L=max(16, triton.next_power_of_2(n)),
+        BLOCK_L=max(min_block, triton.next_power_of_2(n)),
     )
     return out.bool()
+
+
+def confidence(logits, *, banned, kind="max", launch: Callable[[int, int, int], dict]):
+    """Logits -> (score, argmax) through ``confidence_kernel``; ``launch(vocab, elem_bytes, rows)``
+    gives ``grid``, ``BLOCK_V`` and ``ROWS`` (the device's rules, e.g. Ascend's UB budget)."""
+    z = logits.contiguous()
+    vocab = z.shape[-1]
+    rows = z.numel() // vocab
+    score = torch.empty(z.shape[:-1], dtype=torch.float32, device=z.device)
+    token = torch.empty(z.shape[:-1], dtype=torch.int64, device=z.device)
+    cfg = launch(vocab, z.element_size(), rows)
+    kern.confidence_kernel[(cfg["grid"],)](
+        z, score, token, rows, vocab, banned, KIND=SCORE_KINDS[kind], BLOCK_V=cfg["BLOCK_V"], ROWS=cfg["ROWS"]
+    )
+    return score, token
 
 
 def make_kernels(
@@ -127,21 +147,15 @@ def make_kernels(
         score = torch.empty(hc.shape[:-1], dtype=torch.float32, device=hc.device)
         token = torch.empty(hc.shape[:-1], dtype=torch.int64, device=hc.device)
         cfg = tuned["lm_head_confidence"]
-        kind_id = {"max": 0, "margin": 1, "entropy": 2}[kind]
         kern.lm_head_confidence_kernel[(triton.cdiv(rows, cfg["BLOCK_M"]),)](
-            hc, wc, score, token, rows, hidden, vocab, banned, KIND=kind_id, DOT_F32=interpret, **cfg
+            hc, wc, score, token, rows, hidden, vocab, banned, KIND=SCORE_KINDS[kind], DOT_F32=interpret, **cfg
         )
         return score, token
 
     def attention(q, k, v, key_valid, token_index, k_cache=None, v_cache=None, *, scale, block_size=None):
         qc = q.contiguous()
-        if k_cache is not None:  # splice this forward's K/V into the cache, then attend over it in place
-            k_cache.index_copy_(1, token_index, k)
-            v_cache.index_copy_(1, token_index, v)
-            keys, values = k_cache, v_cache
-            key_pos = torch.arange(keys.shape[1], device=q.device)
-        else:
-            keys, values, key_pos = k.contiguous(), v.contiguous(), token_index
+        # the cache is read in place after the splice; fresh K/V must be contiguous rows
+        keys, values, key_pos = ops.splice_kv(k.contiguous(), v.contiguous(), token_index, k_cache, v_cache)
         _need_inner_contiguous("attention", keys, values)
         b, t, heads, d = qc.shape
         out = torch.empty_like(qc)
