@@ -238,9 +238,7 @@ def cmd_env(a: argparse.Namespace) -> int:
     import torch
 
     import dinfer_rt
-    from dinfer_rt.plugins import describe_all
-
-    from dinfer_rt.plugins import env_info
+    from dinfer_rt.plugins import describe_all, env_info
 
     info = env_info()  # first: a plugin failing here is then listed under backends
     print(f"dinfer-rt {dinfer_rt.__version__}")

@@ -15,6 +15,7 @@ from dinfer_rt.backends.cpu.kernels import lm_head_confidence_chunked
 from dinfer_rt.executor import Kernel
 from dinfer_rt.ir import OPS
 
+
 class CpuBackend(Backend):
     name = "cpu"
     flavour = "reference"
