@@ -45,24 +45,16 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
 
 
+# SamplingParams fields whose CLI flag has the same name (``--gen-length`` -> gen_length)
+_SAME_NAMED = (
+    "gen_length block_length steps strategy threshold low_threshold factor temperature cfg_scale cache "
+    "batch_size seed sync_every"
+).split()
+
+
 def _params(a: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        gen_length=a.gen_length,
-        block_length=a.block_length,
-        steps=a.steps,
-        strategy=a.strategy,
-        threshold=a.threshold,
-        low_threshold=a.low_threshold,
-        factor=a.factor,
-        temperature=a.temperature,
-        cfg_scale=a.cfg_scale,
-        cache=a.cache,
-        batch_size=a.batch_size,
-        seed=a.seed,
-        sync_every=a.sync_every,
-        early_stop=not a.no_early_stop,
-        chat=not a.raw,
-    ).validate()
+    fields = {name: getattr(a, name) for name in _SAME_NAMED}
+    return SamplingParams(**fields, early_stop=not a.no_early_stop, chat=not a.raw).validate()
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

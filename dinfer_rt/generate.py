@@ -5,7 +5,7 @@ One loop serves every backend: the model is only asked for logits at chosen posi
 position's argmax and one score, for the fused confidence head (``Model.confidence``); the
 cache buffers live in the runtime and the attention op splices fresh K/V into them in place.
 
-Cache policies (``decoding.md`` §2.4-2.5, §6.6):
+Cache policies (``docs/decoding.md``):
   none      every step recomputes the whole sequence
   prefix    at block start a full forward fills the cache; later steps compute [s, N)
   dual      at block start a full forward fills the cache; later steps compute [s, e)

@@ -73,4 +73,4 @@ LLADA_8B = llada_config(
     mask_id=126336,
     eos_id=126081,
 )
-"""GSAI-ML/LLaDA-8B-Instruct's config.json (models.md §1.1): for shape-only analysis, no weights."""
+"""GSAI-ML/LLaDA-8B-Instruct's config.json (docs/models.md): for shape-only analysis, no weights."""

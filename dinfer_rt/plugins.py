@@ -148,6 +148,7 @@ def _guarded(fn: Callable, plugin: str, on_fault: Callable[[PluginFailure], None
             seen.append((plugin, result))
         return result
 
+    call.__signature__ = inspect.signature(fn)  # for pluggy versions that do not unwrap
     return call
 
 

@@ -127,15 +127,6 @@ class Graph:
         return self
 
     # -- reading ----------------------------------------------------------------------------
-    def users(self) -> dict[int, list[Node]]:
-        """Map id(value) -> nodes that read it."""
-        users: dict[int, list[Node]] = {}
-        for node in self.nodes:
-            for v in node.inputs:
-                if v is not None:
-                    users.setdefault(id(v), []).append(node)
-        return users
-
     def op_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for n in self.nodes:

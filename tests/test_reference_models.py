@@ -41,27 +41,33 @@ def hf_bidirectional_logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, attention_mask=mask).logits
 
 
+HF_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+
+
+def hf_model(config_cls, model_cls, cfg: dict, fields: dict, **extra):
+    """An eager HF model whose sizes come from ``cfg`` (HF field -> config.json key)."""
+    sizes = {hf: cfg[ours] for hf, ours in fields.items()}
+    hf_cfg = config_cls(
+        **sizes, rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"], max_position_embeddings=512, **extra
+    )
+    hf_cfg._attn_implementation = "eager"
+    return model_cls(hf_cfg).eval()
+
+
 @pytest.mark.parametrize("name", ["llada", "llada_gqa_sharded"])
 def test_llada_matches_transformers_llama(ckpt_dir, name):
     transformers = pytest.importorskip("transformers")
     path = ckpt_dir(name)
     cfg = json.loads((path / "config.json").read_text())
-    llama_cfg = transformers.LlamaConfig(
-        vocab_size=cfg["embedding_size"],
-        hidden_size=cfg["d_model"],
-        intermediate_size=cfg["mlp_hidden_size"],
-        num_hidden_layers=cfg["n_layers"],
-        num_attention_heads=cfg["n_heads"],
-        num_key_value_heads=cfg["n_kv_heads"],
-        rms_norm_eps=cfg["rms_norm_eps"],
-        rope_theta=cfg["rope_theta"],
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-    )
-    llama_cfg._attn_implementation = "eager"
-    ref = transformers.LlamaForCausalLM(llama_cfg).eval()
+    fields = dict(zip(HF_FIELDS, ("embedding_size", "d_model", "mlp_hidden_size", "n_layers", "n_heads", "n_kv_heads")))
+    ref = hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, cfg, fields, tie_word_embeddings=False)
     rename = {
         "wte": "model.embed_tokens",
         "ln_f": "model.norm",
@@ -96,21 +102,9 @@ def test_dream_matches_transformers_qwen2_shifted(ckpt_dir, name):
     transformers = pytest.importorskip("transformers")
     path = ckpt_dir(name)
     cfg = json.loads((path / "config.json").read_text())
-    qcfg = transformers.Qwen2Config(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg["num_key_value_heads"],
-        rms_norm_eps=cfg["rms_norm_eps"],
-        rope_theta=cfg["rope_theta"],
-        max_position_embeddings=512,
-        tie_word_embeddings=cfg["tie_word_embeddings"],
-        use_sliding_window=False,
-    )
-    qcfg._attn_implementation = "eager"
-    ref = transformers.Qwen2ForCausalLM(qcfg).eval()
+    fields = {name: name for name in HF_FIELDS}
+    tie = {"tie_word_embeddings": cfg["tie_word_embeddings"], "use_sliding_window": False}
+    ref = hf_model(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, cfg, fields, **tie)
     ref.load_state_dict(tensors(path), strict=not cfg["tie_word_embeddings"])
     if cfg["tie_word_embeddings"]:
         ref.tie_weights()
@@ -156,7 +150,7 @@ def _expert(x, w, prefix):
 
 
 def reference_moe_forward(path, ids, block: int | None = None) -> torch.Tensor:
-    """LLaDA-MoE / LLaDA2 forward from models.md §3.1 / §4.3, in float64, token by token for the MoE."""
+    """LLaDA-MoE / LLaDA2 forward from docs/models.md (LLaDA-MoE, LLaDA2), in float64, token by token for the MoE."""
     cfg = json.loads((path / "config.json").read_text())
     w = {k: v.double() for k, v in tensors(path).items()}
     llada2 = cfg["model_type"] == "llada2_moe"

@@ -15,7 +15,7 @@ from dinfer_rt.sampling import STRATEGIES, SamplingParams
 
 
 def reference_llada_generate(model, prompts, gen_length, block_length, steps, cfg_scale=0.0):
-    """ML-GSAI/LLaDA ``generate`` (decoding.md §1) written plainly: T=0, low-confidence remasking,
+    """ML-GSAI/LLaDA ``generate`` (docs/decoding.md) written plainly: T=0, low-confidence remasking,
     left padding with an attention mask, a Python loop over rows for the top-k. One deliberate
     deviation shared with dinfer-rt: the mask token's logit is banned before argmax/softmax."""
     mask_id = model.mask_id

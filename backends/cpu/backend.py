@@ -18,8 +18,7 @@ from dinfer_rt.ir import OPS
 
 class CpuBackend(Backend):
     name = "cpu"
-    flavour = "reference"
-    device_type = "cpu"
+    flavour = "reference"  # device_type: "cpu", the Platform default
     priority = 0
 
     def is_available(self) -> Availability:

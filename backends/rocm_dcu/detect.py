@@ -1,4 +1,4 @@
-"""Which HIP-family device this is, without trusting the torch device type (hardware.md §5.4).
+"""Which HIP-family device this is, without trusting the torch device type (docs/backends/rocm_dcu.md).
 
 ``probe`` runs before selection and never initialises the HIP runtime: ``torch.version.hip``
 and the vendor tools on PATH. ``identify`` runs after selection, on the device properties

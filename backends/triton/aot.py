@@ -31,7 +31,7 @@ def kernel_specs(t: dict, dt: str = "bf16") -> list[tuple[str, dict, dict, int]]
     router_sig |= {"n_rows": i32, "n_experts": i32, "scale": f32}
     moe_sig = {"x_ptr": p, "wgu_ptr": p, "h_ptr": p, "tok_ptr": "*i32", "tile_expert_ptr": "*i32"}
     down_sig = {"h_ptr": p, "wd_ptr": p, "y_ptr": "*fp32", "tok_ptr": "*i32", "row_weight_ptr": "*fp32"}
-    down_sig |= {"tile_expert_ptr": "*i32", "hidden": i32, "inter": i32}
+    down_sig |= {"tile_expert_ptr": "*i32", "inter": i32, "hidden": i32}
     moe_cfg = {k: moe[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
     commit_sig = {"conf_ptr": "*fp32", "masked_ptr": "*i1", "quota_ptr": "*i64", "x0_ptr": "*i64", "x_ptr": "*i64"}
     commit_sig |= {"commit_ptr": "*i8", "n_rows": i32, "n_slots": i32, "x_stride": i32, "threshold": f32}
@@ -88,8 +88,8 @@ def kernel_specs(t: dict, dt: str = "bf16") -> list[tuple[str, dict, dict, int]]
             4,
         ),
         ("moe_gate_up_kernel", moe_sig | {"hidden": i32, "inter": i32}, moe_cfg | gemm_common, moe["num_warps"]),
-        ("commit_kernel", commit_sig, {"TOP_K": True, "BLOCK_L": BLOCK_TOKENS}, 1),
-        ("commit_kernel", commit_sig, {"TOP_K": False, "BLOCK_L": BLOCK_TOKENS}, 1),
+        ("commit_kernel", commit_sig, {"TOP_K": True, "BLOCK_L": BLOCK_TOKENS, "PERSISTENT": False}, 1),
+        ("commit_kernel", commit_sig, {"TOP_K": False, "BLOCK_L": BLOCK_TOKENS, "PERSISTENT": False}, 1),
         ("moe_down_kernel", down_sig, moe_cfg | gemm_common, moe["num_warps"]),
     ]
 

@@ -169,6 +169,12 @@ def _confidence_score(m, z_sum, s_sum, top1, top2, KIND: tl.constexpr):
 
 
 @triton.jit
+def _confidence_store(score_ptr, token_ptr, rows, rmask, m, z_sum, s_sum, top1, top2, best, KIND: tl.constexpr):
+    tl.store(score_ptr + rows, _confidence_score(m, z_sum, s_sum, top1, top2, KIND), mask=rmask)
+    tl.store(token_ptr + rows, best, mask=rmask)
+
+
+@triton.jit
 def lm_head_confidence_kernel(
     h_ptr,
     w_ptr,
@@ -204,8 +210,7 @@ def lm_head_confidence_kernel(
             acc += tl.dot(h, w, input_precision="ieee")  # "ieee": fp32 stays fp32 (no silent TF32); 16-bit ignores it
         z = tl.where(vmask[None, :] & (cols[None, :] != banned), acc, float("-inf"))
         m, z_sum, s_sum, top1, top2, best = _confidence_step(z, cols, m, z_sum, s_sum, top1, top2, best, KIND)
-    tl.store(score_ptr + rows, _confidence_score(m, z_sum, s_sum, top1, top2, KIND), mask=rmask)
-    tl.store(token_ptr + rows, best, mask=rmask)
+    _confidence_store(score_ptr, token_ptr, rows, rmask, m, z_sum, s_sum, top1, top2, best, KIND)
 
 
 @triton.jit
@@ -232,10 +237,9 @@ def confidence_kernel(
             cols = v0 + tl.arange(0, BLOCK_V)
             ok = ((cols < vocab) & (cols != banned))[None, :] & rmask[:, None]
             z = tl.load(logits_ptr + rows[:, None] * vocab + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-            z = tl.where(ok, z, float("-inf"))
-            m, z_sum, s_sum, top1, top2, best = _confidence_step(z, cols, m, z_sum, s_sum, top1, top2, best, KIND)
-        tl.store(score_ptr + rows, _confidence_score(m, z_sum, s_sum, top1, top2, KIND), mask=rmask)
-        tl.store(token_ptr + rows, best, mask=rmask)
+            state = _confidence_step(tl.where(ok, z, float("-inf")), cols, m, z_sum, s_sum, top1, top2, best, KIND)
+            m, z_sum, s_sum, top1, top2, best = state
+        _confidence_store(score_ptr, token_ptr, rows, rmask, m, z_sum, s_sum, top1, top2, best, KIND)
 
 
 @triton.jit
@@ -475,8 +479,8 @@ def moe_down_kernel(
     tok_ptr,
     row_weight_ptr,
     tile_expert_ptr,
-    hidden,
     inter,
+    hidden,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -506,6 +510,26 @@ def moe_down_kernel(
 
 
 @triton.jit
+def _commit_row(row, conf, masked, quota, x0, x, out, n_slots, x_stride, threshold, TOP_K, BLOCK_L):
+    """One row's commit decisions (see ``commit_kernel``)."""
+    conf, masked, x0, out = conf + row * n_slots, masked + row * n_slots, x0 + row * n_slots, out + row * n_slots
+    quota, x = quota + row, x + row * x_stride
+    j = tl.arange(0, BLOCK_L)
+    inb = j < n_slots
+    is_masked = (tl.load(masked + j, mask=inb, other=0) != 0) & inb
+    c = tl.where(is_masked, tl.load(conf + j, mask=inb, other=0.0), float("-inf"))
+    ahead = (c[None, :] > c[:, None]) | ((c[None, :] == c[:, None]) & (j[None, :] < j[:, None]))
+    rank = tl.sum((ahead & is_masked[None, :]).to(tl.int32), axis=1)
+    if TOP_K:
+        k = tl.minimum(tl.maximum(tl.load(quota).to(tl.int32), 1), tl.sum(is_masked.to(tl.int32), 0))
+        commit = is_masked & (rank < k)
+    else:
+        commit = is_masked & ((c >= threshold) | (rank == 0))
+    tl.store(x + j, tl.where(commit, tl.load(x0 + j, mask=inb, other=0), tl.load(x + j, mask=inb, other=0)), mask=inb)
+    tl.store(out + j, commit.to(tl.int8), mask=inb)
+
+
+@triton.jit
 def commit_kernel(
     conf_ptr,
     masked_ptr,
@@ -519,27 +543,18 @@ def commit_kernel(
     threshold,
     TOP_K: tl.constexpr,
     BLOCK_L: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
-    """Commit decisions for the rows of a block, on the device; program p takes rows p,
-    p + grid, ... (one row each on a GPU, persistent over rows on Ascend's vector cores).
+    """Commit decisions for the rows of a block, on the device. PERSISTENT (Ascend's vector
+    cores): program p takes rows p, p + grid, ...; otherwise (GPUs) one program per row.
     TOP_K commits the quota best masked slots (rank = slots with a higher score, ties to the
     lower index; the low_confidence rule); otherwise masked slots with confidence >= threshold
     plus the best masked slot (the threshold rule's at-least-one). Committed slots take their
     candidate token in ``x`` in place. The [BLOCK_L, BLOCK_L] rank tile is small for the block
     lengths diffusion decoding uses (<= 256)."""
-    j = tl.arange(0, BLOCK_L)
-    inb = j < n_slots
-    for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-        masked = (tl.load(masked_ptr + row * n_slots + j, mask=inb, other=0) != 0) & inb
-        conf = tl.where(masked, tl.load(conf_ptr + row * n_slots + j, mask=inb, other=0.0), float("-inf"))
-        ahead = (conf[None, :] > conf[:, None]) | ((conf[None, :] == conf[:, None]) & (j[None, :] < j[:, None]))
-        rank = tl.sum((ahead & masked[None, :]).to(tl.int32), axis=1)
-        if TOP_K:
-            quota = tl.minimum(tl.maximum(tl.load(quota_ptr + row).to(tl.int32), 1), tl.sum(masked.to(tl.int32), 0))
-            commit = masked & (rank < quota)
-        else:
-            commit = masked & ((conf >= threshold) | (rank == 0))
-        x0 = tl.load(x0_ptr + row * n_slots + j, mask=inb, other=0)
-        old = tl.load(x_ptr + row * x_stride + j, mask=inb, other=0)
-        tl.store(x_ptr + row * x_stride + j, tl.where(commit, x0, old), mask=inb)
-        tl.store(commit_ptr + row * n_slots + j, commit.to(tl.int8), mask=inb)
+    ptrs = (conf_ptr, masked_ptr, quota_ptr, x0_ptr, x_ptr, commit_ptr)
+    if PERSISTENT:
+        for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            _commit_row(row, *ptrs, n_slots, x_stride, threshold, TOP_K, BLOCK_L)
+    else:  # GPUs: one row per program, no loop (a runtime-bounded one spills SGPRs on HIP)
+        _commit_row(tl.program_id(0), *ptrs, n_slots, x_stride, threshold, TOP_K, BLOCK_L)

@@ -59,6 +59,7 @@ def commit(conf, masked, quota, x0, x_block, *, rule: str, threshold: float = 0.
         float(threshold),
         TOP_K=rule == "top_k",
         BLOCK_L=max(min_block, triton.next_power_of_2(n)),
+        PERSISTENT=programs is not None,
     )
     return out.bool()
 
@@ -257,7 +258,7 @@ def make_kernels(
         y = torch.empty((n_pad, hidden), dtype=torch.float32, device=x.device)
         grid = (n_pad // bm, triton.cdiv(hidden, cfg["BLOCK_N"]))
         kern.moe_down_kernel[grid](
-            h, w_down.contiguous(), y, tok, row_weight, tile_expert, hidden, inter, **cfg, **common
+            h, w_down.contiguous(), y, tok, row_weight, tile_expert, inter, hidden, **cfg, **common
         )
         return y[slot_row.view(n, top)].sum(1).to(x.dtype).reshape(x.shape)
 

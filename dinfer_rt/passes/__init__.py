@@ -1,4 +1,5 @@
-"""Graph passes run per backend before execution: cleanup, fusion (and, next, reordering)."""
+"""Graph passes run per backend before execution: cleanup, fusion and folding rules on one
+rewrite engine (``rewrite.py``), instruction reordering (``reorder.py``), the pass manager."""
 
 from dinfer_rt.passes.manager import Pass, PassContext, PassManager, default_pipeline
 

@@ -204,6 +204,50 @@ def dream(
     return save(path, cfg, t, shards)
 
 
+def _hf_config(arch: str, model_type: str, d, layers, heads, kv_heads, head_dim, vocab, theta, **fields) -> dict:
+    """The config.json keys LLaDA-MoE and LLaDA2 share (HF names), then the family's own."""
+    return {
+        "architectures": [arch],
+        "model_type": model_type,
+        "hidden_size": d,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rope_theta": theta,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 512,
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+        "mask_token_id": MASK,
+        "eos_token_id": EOS,
+        "pad_token_id": EOS,
+        **fields,
+    }
+
+
+def _moe_tensors(g, embed: str, d: int, vocab: int) -> dict:
+    return {
+        embed: _rand(g, vocab, d, scale=1.0),
+        "model.norm.weight": _norm(g, d),
+        "lm_head.weight": _rand(g, vocab, d),
+    }
+
+
+def _layer_norms(g, t, b, d) -> None:
+    t |= {b + "input_layernorm.weight": _norm(g, d), b + "post_attention_layernorm.weight": _norm(g, d)}
+
+
+def _qk_norms(g, t, b, head_dim, q_norm: str, k_norm: str) -> None:
+    t |= {b + q_norm: _norm(g, head_dim), b + k_norm: _norm(g, head_dim)}
+
+
+def _experts(g, t, m, d, experts, inter) -> None:
+    for e in range(experts):
+        _mlp(g, t, f"{m}experts.{e}.", d, inter)
+
+
 def llada_moe(
     path: Path,
     *,
@@ -218,58 +262,43 @@ def llada_moe(
     seed: int = 2,
     shards: int = 1,
 ) -> Path:
-    """LLaDA-MoE-7B-A1B layout: per-head QK-norm, softmax top-k router without renormalisation."""
+    """LLaDA-MoE-7B-A1B layout: per-head QK-norm, softmax top-k router without renormalisation;
+    config keys as LLaDAMoEConfig writes them."""
     g = torch.Generator().manual_seed(seed)
-    cfg = {
-        "architectures": ["LLaDAMoEModelLM"],
-        "model_type": "llada",
-        "hidden_size": d,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": heads,
-        "head_dim": head_dim,
-        "num_experts": experts,
-        "num_experts_per_tok": top_k,
-        "expert_intermediate_size": inter,
-        "dense_intermediate_size": 64,
-        "shared_expert_intermediate_size": None,  # as LLaDAMoEConfig writes it: null, a list per layer
-        "moe_layer_freq": [1] * layers,
-        "moe_router_score_function": "softmax",
-        "moe_router_enable_expert_bias": False,
-        "routed_scaling_factor": 1,
-        "attention_bias": False,
-        "clip_qkv": None,
-        "hidden_act": "silu",
-        "norm_topk_prob": False,
-        "qk_layernorm": True,
-        "partial_rotary_factor": 1.0,
-        "rope_theta": 50000.0,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 512,
-        "vocab_size": vocab,
-        "tie_word_embeddings": False,
-        "router_aux_loss_coef": 0.01,
-        "mask_token_id": MASK,
-        "eos_token_id": EOS,
-        "pad_token_id": EOS,
-    }
-    t = {
-        "model.embed_tokens.weight": _rand(g, vocab, d, scale=1.0),
-        "model.norm.weight": _norm(g, d),
-        "lm_head.weight": _rand(g, vocab, d),
-    }
+    cfg = _hf_config(
+        "LLaDAMoEModelLM",
+        "llada",
+        d,
+        layers,
+        heads,
+        heads,
+        head_dim,
+        vocab,
+        50000.0,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        expert_intermediate_size=inter,
+        dense_intermediate_size=64,
+        shared_expert_intermediate_size=None,  # LLaDAMoEConfig's default, written as null
+        moe_layer_freq=[1] * layers,  # a list per layer, as the config class stores it
+        moe_router_score_function="softmax",
+        moe_router_enable_expert_bias=False,
+        routed_scaling_factor=1,
+        attention_bias=False,
+        clip_qkv=None,
+        norm_topk_prob=False,
+        qk_layernorm=True,
+        partial_rotary_factor=1.0,
+        router_aux_loss_coef=0.01,
+    )
+    t = _moe_tensors(g, "model.embed_tokens.weight", d, vocab)
     for i in range(layers):
         b = f"model.layers.{i}."
-        t |= {
-            b + "input_layernorm.weight": _norm(g, d),
-            b + "post_attention_layernorm.weight": _norm(g, d),
-            b + "self_attn.q_norm.weight": _norm(g, head_dim),
-            b + "self_attn.k_norm.weight": _norm(g, head_dim),
-            b + "mlp.gate.weight": _rand(g, experts, d),
-        }
+        _layer_norms(g, t, b, d)
+        _qk_norms(g, t, b, head_dim, "self_attn.q_norm.weight", "self_attn.k_norm.weight")
+        t[b + "mlp.gate.weight"] = _rand(g, experts, d)
         _attn_qwen(g, t, b, d, heads, heads, head_dim, bias=False)
-        for e in range(experts):
-            _mlp(g, t, f"{b}mlp.experts.{e}.", d, inter)
+        _experts(g, t, b + "mlp.", d, experts, inter)
     return save(path, cfg, t, shards)
 
 
@@ -293,67 +322,50 @@ def llada2(
     shards: int = 1,
     partial: float = 0.5,
 ) -> Path:
-    """LLaDA2.0 (BailingMoeV2) layout: fused query_key_value, partial RoPE, group-limited sigmoid router."""
+    """LLaDA2.0 (BailingMoeV2) layout: fused query_key_value, partial RoPE, group-limited sigmoid
+    router; config keys as LLaDA2MoeConfig writes them (``use_bias: false`` included)."""
     g = torch.Generator().manual_seed(seed)
-    cfg = {
-        "architectures": ["LLaDA2MoeModelLM"],
-        "model_type": "llada2_moe",
-        "hidden_size": d,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "use_qkv_bias": False,
-        "use_qk_norm": True,
-        "use_bias": False,
-        "norm_head": False,
-        "hidden_act": "silu",
-        "partial_rotary_factor": partial,
-        "rope_theta": 600000.0,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 512,
-        "vocab_size": vocab,
-        "tie_word_embeddings": False,
-        "pad_token_id": EOS,
-        "eos_token_id": EOS,
-        "mask_token_id": MASK,
-        "first_k_dense_replace": 1,
-        "intermediate_size": dense_inter,
-        "num_experts": experts,
-        "num_experts_per_tok": top_k,
-        "moe_intermediate_size": inter,
-        "num_shared_experts": shared,
-        "score_function": "sigmoid",
-        "moe_router_enable_expert_bias": True,
-        "n_group": n_group,
-        "topk_group": topk_group,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5,
-    }
-    t = {
-        "model.word_embeddings.weight": _rand(g, vocab, d, scale=1.0),
-        "model.norm.weight": _norm(g, d),
-        "lm_head.weight": _rand(g, vocab, d),
-    }
+    cfg = _hf_config(
+        "LLaDA2MoeModelLM",
+        "llada2_moe",
+        d,
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        vocab,
+        600000.0,
+        use_qkv_bias=False,
+        use_qk_norm=True,
+        use_bias=False,
+        norm_head=False,
+        partial_rotary_factor=partial,
+        first_k_dense_replace=1,
+        intermediate_size=dense_inter,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=inter,
+        num_shared_experts=shared,
+        score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    )
+    t = _moe_tensors(g, "model.word_embeddings.weight", d, vocab)
     for i in range(layers):
         b = f"model.layers.{i}."
-        t |= {
-            b + "input_layernorm.weight": _norm(g, d),
-            b + "post_attention_layernorm.weight": _norm(g, d),
-            b + "attention.query_key_value.weight": _rand(g, (heads + 2 * kv_heads) * head_dim, d),
-            b + "attention.query_layernorm.weight": _norm(g, head_dim),
-            b + "attention.key_layernorm.weight": _norm(g, head_dim),
-            b + "attention.dense.weight": _rand(g, d, heads * head_dim),
-        }
+        _layer_norms(g, t, b, d)
+        t[b + "attention.query_key_value.weight"] = _rand(g, (heads + 2 * kv_heads) * head_dim, d)
+        _qk_norms(g, t, b, head_dim, "attention.query_layernorm.weight", "attention.key_layernorm.weight")
+        t[b + "attention.dense.weight"] = _rand(g, d, heads * head_dim)
         if i == 0:
             _mlp(g, t, b + "mlp.", d, dense_inter)
             continue
-        t |= {
-            b + "mlp.gate.weight": _rand(g, experts, d),
-            b + "mlp.gate.expert_bias": 0.1 * torch.randn(experts, generator=g),
-        }
-        for e in range(experts):
-            _mlp(g, t, f"{b}mlp.experts.{e}.", d, inter)
+        t[b + "mlp.gate.weight"] = _rand(g, experts, d)
+        t[b + "mlp.gate.expert_bias"] = 0.1 * torch.randn(experts, generator=g)
+        _experts(g, t, b + "mlp.", d, experts, inter)
         if shared:
             _mlp(g, t, b + "mlp.shared_experts.", d, inter * shared)
     return save(path, cfg, t, shards)

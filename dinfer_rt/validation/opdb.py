@@ -132,19 +132,9 @@ def cases(quick: bool = False) -> list[OpCase]:
         OpCase("swiglu", "odd", lambda g: [_r(g, 2, 5, 2 * 37, scale=2)], float_inputs=(0,)),
         OpCase("index_tokens", "subset", lambda g: [_r(g, 2, 9, 24), torch.tensor([0, 3, 8])], float_inputs=(0,)),
         OpCase("confidence", "vocab-odd", lambda g: [_r(g, 2, 5, 1001, scale=3)], {"banned": 7}, float_inputs=(0,)),
-        OpCase(
-            "confidence",
-            "margin",
-            lambda g: [_r(g, 2, 5, 301, scale=3)],
-            {"banned": 7, "kind": "margin"},
-            float_inputs=(0,),
-        ),
-        OpCase(
-            "confidence",
-            "entropy",
-            lambda g: [_r(g, 2, 5, 301, scale=3)],
-            {"banned": 7, "kind": "entropy"},
-            float_inputs=(0,),
+        *(
+            OpCase("confidence", kind, lambda g: [_r(g, 2, 5, 301, scale=3)], {"banned": 7, "kind": kind}, (0,))
+            for kind in ("margin", "entropy")
         ),
         OpCase(
             "lm_head_confidence",
@@ -153,19 +143,15 @@ def cases(quick: bool = False) -> list[OpCase]:
             {"banned": 17, "chunk": 4096},
             float_inputs=(0, 1),
         ),
-        OpCase(
-            "lm_head_confidence",
-            "entropy-chunked",
-            lambda g: [_r(g, 2, 5, 48), _r(g, 3001, 48)],
-            {"banned": 17, "chunk": 1000, "kind": "entropy"},
-            float_inputs=(0, 1),
-        ),
-        OpCase(
-            "lm_head_confidence",
-            "margin-chunked",
-            lambda g: [_r(g, 2, 5, 48), _r(g, 3001, 48)],
-            {"banned": 17, "chunk": 1000, "kind": "margin"},
-            float_inputs=(0, 1),
+        *(
+            OpCase(
+                "lm_head_confidence",
+                f"{kind}-chunked",
+                lambda g: [_r(g, 2, 5, 48), _r(g, 3001, 48)],
+                {"banned": 17, "chunk": 1000, "kind": kind},
+                float_inputs=(0, 1),
+            )
+            for kind in ("entropy", "margin")
         ),
         OpCase(
             "rope_attention",
