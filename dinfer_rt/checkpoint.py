@@ -104,7 +104,11 @@ class Checkpoint:
 
     def _read_index(self, index: Path) -> list[str]:
         try:
-            data = json.loads(index.read_text())
+            text = index.read_text()
+        except OSError as e:
+            raise CheckpointError(f"{index}: cannot read ({e.strerror or e})") from None
+        try:
+            data = json.loads(text)
             self._weight_map: dict[str, str] = dict(data["weight_map"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise CheckpointError(

@@ -15,7 +15,24 @@ from pathlib import Path
 
 from dinfer_rt import envs
 from dinfer_rt.errors import DinferError
+from dinfer_rt.files import check_writable_dir
 from dinfer_rt.sampling import CACHES, STRATEGIES, SamplingParams
+
+
+def _int_in(low: int, high: int | None = None):
+    """An argparse type: an int in [low, high], else an error naming the flag and the range."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < low or (high is not None and v > high):
+            span = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {v}")
+        return v
+
+    return parse
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -23,7 +40,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--model", type=Path, default=None, help="model folder (default: $DINFER_MODEL or the embedded model)"
     )
     p.add_argument("--backend", default=None, help="backend name[:flavour[:arch]] (default: $DINFER_BACKEND or auto)")
-    p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16, float64")
+    p.add_argument("--dtype", default=None, help="auto (default: checkpoint dtype on a device, float32 on cpu), ...")
+    p.add_argument(
+        "--no-check-weights",
+        action="store_true",
+        help="skip the NaN/inf scan of the weights (trusted checkpoints)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -60,7 +82,7 @@ def _params(a: argparse.Namespace) -> SamplingParams:
 def cmd_generate(a: argparse.Namespace) -> int:
     from dinfer_rt.llm import LLM
 
-    llm = LLM(a.model, backend=a.backend, dtype=a.dtype)
+    llm = LLM(a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights)
     outs = llm.generate(a.prompts, _params(a))
     for o in outs:
         if a.json:
@@ -79,7 +101,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
     from dinfer_rt.demo.bench import evaluate
     from dinfer_rt.llm import LLM
 
-    llm = LLM(a.model, backend=a.backend, dtype=a.dtype)
+    llm = LLM(a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights)
     r = evaluate(llm, _params(a), limit=a.limit, progress=not a.json)
     if a.json:
         print(json.dumps(r.as_dict()))
@@ -97,7 +119,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from dinfer_rt.llm import LLM
     from dinfer_rt.validation.perf import measure
 
-    llm = LLM(a.model, backend=a.backend, dtype=a.dtype)
+    llm = LLM(a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights)
     params = _params(a)
     prompts = [llm.encode(it.letters, params.chat) for it in task.heldout(a.batch_size)]
     result = measure(llm.model, prompts, params, a.warmup, a.iters)
@@ -109,15 +131,20 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def cmd_validate(a: argparse.Namespace) -> int:
+    from dinfer_rt.files import write_text_atomic
     from dinfer_rt.validation.markdown import render
     from dinfer_rt.validation.runner import validate
 
+    for target in (a.json, a.markdown):  # an unwritable report path fails now, not after the run
+        if target:
+            check_writable_dir(Path(target).parent, "report folder")
+
     report = validate(a.backends, quick=a.quick, dtypes=a.dtypes)
     if a.json:
-        Path(a.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        write_text_atomic(a.json, json.dumps(report, indent=1, default=str) + "\n", "the JSON report")
     text = render(report)
     if a.markdown:
-        Path(a.markdown).write_text(text)
+        write_text_atomic(a.markdown, text, "the Markdown report")
     for r in report["results"]:
         print(f"{r['backend']}: {r['verdict']}" + "".join(f"\n  - {f}" for f in r["failures"]))
     print(f"verdict: {report['verdict']}")
@@ -259,14 +286,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
     e = sub.add_parser("eval", help="accuracy and speed on the embedded model's held-out set")
-    e.add_argument("--limit", type=int, default=1000, help="first N held-out items (default all 1000)")
+    e.add_argument("--limit", type=_int_in(1, 1000), default=1000, help="first N held-out items (default all 1000)")
     e.add_argument("--json", action="store_true", help="one JSON object: accuracy, nfe, tpf, tokens_per_s, wall_s, n")
     _add_model_args(e)
     _add_sampling_args(e)
     e.set_defaults(func=cmd_eval, batch_size=50)
     k = sub.add_parser("bench", help="per-step latency, tokens/s and peak memory of one configuration")
-    k.add_argument("--warmup", type=int, default=1)
-    k.add_argument("--iters", type=int, default=3)
+    k.add_argument("--warmup", type=_int_in(0), default=1)
+    k.add_argument("--iters", type=_int_in(1), default=3)
     k.add_argument("--json", action="store_true")
     _add_model_args(k)
     _add_sampling_args(k)
@@ -291,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--model", type=Path, default=None)
     i.add_argument("--dtype", default=None)
     i.add_argument("--cached", action="store_true", help="the KV-cache variant of the graph")
-    i.add_argument("--block-size", type=int, default=None, help="block-causal block size (LLaDA2)")
+    i.add_argument("--block-size", type=_int_in(1), default=None, help="block-causal block size (LLaDA2)")
     i.add_argument("--backend", default=None, help="mark which kernel each node gets on this backend")
     i.set_defaults(func=cmd_ir)
     b = sub.add_parser("backends", help="list backends and why each is or is not available")
@@ -311,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, the conventional exit status, no traceback
+        print("interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # output piped into `head` and closed early
         sys.stderr.close()
         return 0

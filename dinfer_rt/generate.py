@@ -54,12 +54,23 @@ def _pad_left(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
+def check_token_ids(prompts: list[list[int]], vocab: int) -> None:
+    """Prompt ids must be ints in [0, vocab): the embedding would index out of range otherwise."""
+    for r, p in enumerate(prompts):
+        for j, t in enumerate(p):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise GenerationError(
+                    f"prompt {r}: token {j} is {t!r}; token ids must be ints in [0, {vocab}) (the model's vocabulary)"
+                )
+
+
 @torch.no_grad()
 def generate_batch(model: Model, prompts: list[list[int]], params: SamplingParams) -> BatchResult:
     """Decode ``params.gen_length`` slots after each prompt (left-padded into one batch)."""
     params.validate()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise GenerationError("every prompt must have at least one token")
+    check_token_ids(prompts, model.spec.vocab)
     mask_id, eos = model.mask_id, model.eos_ids
     prompt_ids, prompt_mask = _pad_left(prompts, model.pad_id)
     b, p_len = prompt_ids.shape

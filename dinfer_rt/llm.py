@@ -38,12 +38,18 @@ class LLM:
         model: str | Path | Model | None = None,
         backend: str | None = None,
         dtype: str | torch.dtype | None = None,
+        check_weights: bool = True,
     ) -> None:
-        self.model = model if isinstance(model, Model) else load_model(model, backend=backend, dtype=dtype)
+        if isinstance(model, Model):
+            self.model = model
+        else:
+            self.model = load_model(model, backend=backend, dtype=dtype, check_weights=check_weights)
 
     def encode(self, prompt: str | list[int], chat: bool) -> list[int]:
         if isinstance(prompt, list):
-            return prompt
+            return prompt  # ids: checked against the vocabulary by generate_batch
+        if not isinstance(prompt, str):
+            raise GenerationError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         tok = self.model.tokenizer
         if tok is None:
             raise GenerationError("this model was loaded without a tokenizer; pass token ids")
@@ -57,23 +63,25 @@ class LLM:
         self, prompts: str | list[str] | list[list[int]], params: SamplingParams | None = None, progress: bool = False
     ) -> list[GenerationOutput]:
         params = (params or SamplingParams()).validate()
+        if not isinstance(prompts, (str, list, tuple)) or not prompts:
+            raise GenerationError(f"prompts must be a string or a non-empty list, got {prompts!r}")
+        prompts = list(prompts) if isinstance(prompts, tuple) else prompts
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         encoded = [self.encode(p, params.chat) for p in prompts]
         eos = set(self.model.eos_ids)
         outputs: list[GenerationOutput] = []
-        bar = tqdm(total=len(encoded), desc="generate", disable=not progress, unit="prompt")
-        for i in range(0, len(encoded), params.batch_size):
-            chunk = encoded[i : i + params.batch_size]
-            res = generate_batch(self.model, chunk, params)
-            for r, ids in enumerate(res.tokens.tolist()):
-                cut = next((j for j, t in enumerate(ids) if t in eos), len(ids))
-                toks = int(res.committed[r])
-                stats = GenerationStats(
-                    res.nfe, toks, toks / max(res.nfe, 1), res.wall_s, toks / res.wall_s if res.wall_s > 0 else 0.0
-                )
-                text = self.model.tokenizer.decode(ids[:cut]) if self.model.tokenizer else ""
-                outputs.append(GenerationOutput(prompts[i + r], text, ids[:cut], stats))
-            bar.update(len(chunk))
-        bar.close()
+        with tqdm(total=len(encoded), desc="generate", disable=not progress, unit="prompt") as bar:
+            for i in range(0, len(encoded), params.batch_size):
+                chunk = encoded[i : i + params.batch_size]
+                res = generate_batch(self.model, chunk, params)
+                for r, ids in enumerate(res.tokens.tolist()):
+                    cut = next((j for j, t in enumerate(ids) if t in eos), len(ids))
+                    toks = int(res.committed[r])
+                    stats = GenerationStats(
+                        res.nfe, toks, toks / max(res.nfe, 1), res.wall_s, toks / res.wall_s if res.wall_s > 0 else 0.0
+                    )
+                    text = self.model.tokenizer.decode(ids[:cut]) if self.model.tokenizer else ""
+                    outputs.append(GenerationOutput(prompts[i + r], text, ids[:cut], stats))
+                bar.update(len(chunk))
         return outputs

@@ -9,6 +9,7 @@ import torch
 from dinfer_rt import envs
 from dinfer_rt.checkpoint import Checkpoint
 from dinfer_rt.dtypes import resolve_dtype
+from dinfer_rt.errors import ConfigError
 from dinfer_rt.model import Model
 from dinfer_rt.plugins import select_backend
 from dinfer_rt.spec import parse_spec
@@ -21,6 +22,18 @@ def default_model_path() -> Path:
     """``DINFER_MODEL`` if set, else the embedded model shipped in the package."""
     env = envs.get(envs.DINFER_MODEL)
     return Path(env) if env else EMBEDDED_MODEL
+
+
+def check_special_tokens(model_dir: Path, spec, tok: Tokenizer) -> None:
+    """config.json's mask id must be the token tokenizer_config.json calls ``mask_token``: the
+    scheduler writes that id into every undecided slot, so a contradiction would silently
+    decode nonsense. (EOS may legitimately differ: both ids end a generation.)"""
+    named = tok.special_id("mask_token")
+    if spec.mask_id is not None and named is not None and named != spec.mask_id:
+        raise ConfigError(
+            f"{model_dir / 'config.json'}: field 'mask_token_id' = {spec.mask_id} contradicts "
+            f"{model_dir / 'tokenizer_config.json'}: mask_token {tok.config.get('mask_token')!r} is id {named}"
+        )
 
 
 def auto_dtype(spec, backend) -> torch.dtype:
@@ -40,6 +53,7 @@ def load_model(
     *,
     tokenizer: bool = True,
     disable_passes: tuple[str, ...] | list[str] = (),
+    check_weights: bool = True,
 ) -> Model:
     """Load a checkpoint folder (config.json + safetensors + tokenizer.json).
 
@@ -47,7 +61,8 @@ def load_model(
     float64) is the conversion applied as each tensor is read; ``"auto"`` (the default, as in
     vLLM) is the checkpoint's own ``torch_dtype`` on a device backend and float32 on the CPU
     (where 16-bit matmuls are slow and the reference is fp32). ``disable_passes`` names graph
-    passes to skip for this model (e.g. to build an unfused twin).
+    passes to skip for this model (e.g. to build an unfused twin). ``check_weights`` scans
+    every weight for NaN / infinity at load (off for trusted checkpoints).
     """
     model_dir = Path(path) if path is not None else default_model_path()
     spec = parse_spec(model_dir)
@@ -58,10 +73,12 @@ def load_model(
 
         raise BackendError(f"backend {be.name} does not support dtype {dt}; it supports {be.capabilities().dtypes}")
     tok = Tokenizer(model_dir, spec.vocab) if tokenizer else None
+    if tok is not None:
+        check_special_tokens(model_dir, spec, tok)
     weights = Checkpoint(model_dir)
     from dinfer_rt.weights import load_weights
 
-    w = {k: v.to(be.device()) for k, v in load_weights(weights, spec, dt).items()}
+    w = {k: v.to(be.device()) for k, v in load_weights(weights, spec, dt, check_weights).items()}
     model = Model(model_dir, spec, w, tok, be, dt, tuple(disable_passes))
     model.executable(cached=False)  # lower, verify and compile now: errors surface at load
     return model

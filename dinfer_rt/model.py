@@ -171,6 +171,17 @@ class Model:
         if input_ids.dim() != 2:
             raise GenerationError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
         b, n = input_ids.shape
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise GenerationError(f"input_ids must be an integer tensor (int64), got {input_ids.dtype}")
+        if (
+            input_ids.device.type == "cpu"
+            and n
+            and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < self.spec.vocab
+        ):
+            raise GenerationError(
+                f"input_ids hold ids outside [0, {self.spec.vocab}) (min {int(input_ids.min())}, "
+                f"max {int(input_ids.max())}): not in the model's vocabulary"
+            )
         if n > self.spec.max_length:
             raise GenerationError(f"sequence of {n} tokens exceeds the model's max length {self.spec.max_length}")
         valid = torch.ones(b, n, dtype=torch.bool) if attention_mask is None else attention_mask.bool()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from dinfer_rt.errors import GenerationError
@@ -18,6 +19,33 @@ STRATEGIES = (
     "entropy",
 )
 CACHES = ("none", "prefix", "dual", "vicinity")
+
+# field -> (type, lower bound, upper bound, lower bound exclusive); None: unbounded
+_FIELD_RULES: dict[str, tuple[type, float | None, float | None, bool]] = {
+    "gen_length": (int, 1, None, False),
+    "block_length": (int, 1, None, False),
+    "steps": (int, 1, None, False),
+    "strategy": (str, None, None, False),
+    "threshold": (float, 0, 1, True),
+    "factor": (float, 0, None, True),
+    "low_threshold": (float, 0, 1, True),
+    "credit_decay": (float, 0, 1, False),
+    "credit_boost": (float, 0, None, False),
+    "credit_alpha": (float, 0, None, False),
+    "temperature": (float, 0, None, False),
+    "cfg_scale": (float, 0, None, False),
+    "cache": (str, None, None, False),
+    "vicinity_before": (int, 0, None, False),
+    "vicinity_after": (int, 0, None, False),
+    "vicinity_warmup": (int, 0, None, False),
+    "confidence_head": (bool, None, None, False),
+    "early_stop": (bool, None, None, False),
+    "sync_every": (int, 1, None, False),
+    "batch_size": (int, 1, None, False),
+    "seed": (int, 0, 2**63 - 1, False),
+    "chat": (bool, None, None, False),
+}
+_OPTIONAL = {"steps"}
 
 
 @dataclass
@@ -54,36 +82,39 @@ class SamplingParams:
     chat: bool = True
 
     def validate(self) -> SamplingParams:
+        """Every field's type and range, then the rules between fields; the first problem is
+        raised naming the field. Returns ``self``."""
+
         def bad(msg: str) -> GenerationError:
             return GenerationError(f"SamplingParams: {msg}")
 
+        for name, (kind, low, high, low_open) in _FIELD_RULES.items():
+            v = getattr(self, name)
+            if v is None and name in _OPTIONAL:
+                continue
+            if kind is float and isinstance(v, int) and not isinstance(v, bool):
+                v = float(v)
+                setattr(self, name, v)
+            if not isinstance(v, kind) or (kind is not bool and isinstance(v, bool)):
+                raise bad(f"{name} must be {kind.__name__}, got {type(v).__name__} {v!r}")
+            if kind is float and not math.isfinite(v):
+                raise bad(f"{name} must be a finite number, got {v!r}")
+            too_low = low is not None and (v <= low if low_open else v < low)
+            if too_low or (high is not None and v > high):
+                if high is None:
+                    raise bad(f"{name} {v!r} must be {'>' if low_open else '>='} {low}")
+                raise bad(f"{name} {v!r} must be in {'(' if low_open else '['}{low}, {high}]")
         if self.strategy not in STRATEGIES:
             raise bad(f"unknown strategy {self.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
         if self.cache not in CACHES:
             raise bad(f"unknown cache {self.cache!r}; choose one of: {', '.join(CACHES)}")
-        if self.gen_length <= 0 or self.block_length <= 0:
-            raise bad(f"gen_length ({self.gen_length}) and block_length ({self.block_length}) must be positive")
         if self.gen_length % self.block_length:
             raise bad(f"gen_length {self.gen_length} is not a multiple of block_length {self.block_length}")
         blocks = self.gen_length // self.block_length
-        if self.steps is not None and (self.steps <= 0 or self.steps % blocks):
+        if self.steps is not None and self.steps % blocks:
             raise bad(f"steps {self.steps} must be a positive multiple of the {blocks} blocks")
-        for name in ("threshold", "low_threshold"):
-            v = getattr(self, name)
-            if not 0 < v <= 1:
-                raise bad(f"{name} {v} must be in (0, 1]")
-        if self.factor <= 0:
-            raise bad(f"factor {self.factor} must be > 0")
-        if self.temperature < 0:
-            raise bad(f"temperature {self.temperature} must be >= 0")
-        if self.cfg_scale < 0:
-            raise bad(f"cfg_scale {self.cfg_scale} must be >= 0")
         if self.cfg_scale > 0 and self.cache != "none":
             raise bad(f"cfg_scale > 0 runs two rows per prompt and supports cache='none' only, not {self.cache!r}")
-        if self.batch_size <= 0 or self.sync_every <= 0:
-            raise bad("batch_size and sync_every must be positive")
-        if min(self.vicinity_before, self.vicinity_after, self.vicinity_warmup) < 0:
-            raise bad("vicinity window and warm-up must be >= 0")
         return self
 
     def steps_per_block(self) -> int:

@@ -16,6 +16,7 @@ config's value is never silently replaced.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,20 @@ class ModelSpec:
         return self.moe is not None and i >= self.moe.first_k_dense
 
 
+# Range rules applied whenever a field is read, so every message names the field.
+_POSITIVE = {
+    "d_model", "n_heads", "n_layers", "n_kv_heads", "hidden_size", "num_attention_heads", "num_hidden_layers",
+    "vocab_size", "embedding_size", "intermediate_size", "mlp_hidden_size", "mlp_ratio", "head_dim", "num_experts",
+    "num_experts_per_tok", "expert_intermediate_size", "moe_intermediate_size", "max_position_embeddings",
+    "max_sequence_length", "n_group", "topk_group", "block_size", "rms_norm_eps", "rope_theta",
+    "routed_scaling_factor",
+}  # fmt: skip
+_NON_NEGATIVE = {
+    "num_key_value_heads", "num_shared_experts", "first_k_dense_replace", "shared_expert_intermediate_size",
+    "mask_token_id", "pad_token_id", "bos_token_id",
+}  # fmt: skip
+
+
 class _Fields:
     """Typed access to config.json fields, with errors that name the file and field."""
 
@@ -139,6 +154,20 @@ class _Fields:
         if self.cfg.get(name) is None:
             return default
         return self._typed(name, kind or type(default))
+
+    def _typed(self, name: str, kind: type) -> Any:
+        value = self.cfg[name]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise ConfigError(f"{self.path}: field {name!r} should be {kind.__name__}, found {value!r}")
+        if kind is float and not math.isfinite(value):
+            raise ConfigError(f"{self.path}: field {name!r} must be a finite number, found {value!r}")
+        if name in _POSITIVE and not value > 0:
+            raise ConfigError(f"{self.path}: field {name!r} must be > 0, found {value!r}")
+        if name in _NON_NEGATIVE and value < 0:
+            raise ConfigError(f"{self.path}: field {name!r} must be >= 0, found {value!r}")
+        return value
 
     def upstream(self, name: str, kind: type | None = None) -> Any:
         """The field, else the upstream config class's default (``DEFAULTS``), else an error."""
@@ -166,24 +195,21 @@ class _Fields:
             )
         return value
 
-    def _typed(self, name: str, kind: type) -> Any:
-        value = self.cfg[name]
-        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        if not ok:
-            raise ConfigError(f"{self.path}: field {name!r} should be {kind.__name__}, found {value!r}")
-        return value
-
 
 def read_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "config.json"
+    if model_dir.is_file():
+        raise ConfigError(f"{model_dir} is a file; the model path must be a folder with config.json")
     if not model_dir.is_dir():
         raise ConfigError(f"model folder {model_dir} does not exist")
     if not path.is_file():
         raise ConfigError(f"{path}: not found (a model folder needs config.json, *.safetensors and tokenizer.json)")
     try:
-        cfg = json.loads(path.read_text())
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        cfg = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
@@ -193,9 +219,15 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 
 def detect_family(cfg: dict[str, Any], path: Path) -> str:
     archs = cfg.get("architectures") or []
-    arch = " ".join(archs) if isinstance(archs, list) else str(archs)
+    if isinstance(archs, str):
+        archs = [archs]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConfigError(f"{path}: field 'architectures' should be a list of class names, found {archs!r}")
+    mtype = cfg.get("model_type", "")
+    if not isinstance(mtype, str):
+        raise ConfigError(f"{path}: field 'model_type' should be a string, found {mtype!r}")
+    arch = " ".join(archs)
     auto = json.dumps(cfg.get("auto_map", {}))
-    mtype = str(cfg.get("model_type", ""))
     if ("Bailing" in arch or mtype.startswith("bailing")) and "LLaDA2" not in arch and not mtype.startswith("llada2"):
         raise ConfigError(
             f"{path}: architectures {archs} (model_type {mtype!r}) is an autoregressive Ling/BailingMoe model, "
@@ -219,16 +251,21 @@ def _eos_ids(f: _Fields) -> tuple[int, ...]:
     if eos is None:
         return ()
     ids = eos if isinstance(eos, list) else [eos]
-    if not all(isinstance(i, int) for i in ids):
-        raise ConfigError(f"{f.path}: field 'eos_token_id' should be an int or a list of ints, found {eos!r}")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError(f"{f.path}: field 'eos_token_id' should be an id >= 0 or a list of them, found {eos!r}")
     return tuple(ids)
 
 
-def _rotary_dim(f: _Fields, head_dim: int) -> int:
+def _rotary_dim(f: _Fields, head_dim: int, head_dim_from: str = "head_dim") -> int:
     factor = f.get("partial_rotary_factor", DEFAULTS[f.family].get("partial_rotary_factor", 1.0), float)
+    if not 0 < factor <= 1:
+        raise ConfigError(f"{f.path}: field 'partial_rotary_factor' must be in (0, 1], found {factor}")
     rd = int(head_dim * factor)
     if not 0 < rd <= head_dim or rd % 2:
-        raise ConfigError(f"{f.path}: partial_rotary_factor {factor} gives rotary dim {rd}, not an even 1..{head_dim}")
+        raise ConfigError(
+            f"{f.path}: field 'partial_rotary_factor' ({factor}) of a head_dim {head_dim} ({head_dim_from}) gives "
+            f"rotary dim {rd}, not an even number in 1..{head_dim}"
+        )
     return rd
 
 
@@ -251,8 +288,15 @@ def parse_spec(model_dir: Path, cfg: dict[str, Any] | None = None) -> ModelSpec:
     else:
         _no_unimplemented(f)
         hidden, heads = f.need("hidden_size"), f.need("num_attention_heads")
+        if "head_dim" not in cfg and hidden < heads:
+            raise ConfigError(
+                f"{path}: field 'hidden_size' ({hidden}) is smaller than 'num_attention_heads' ({heads}): "
+                "no head_dim is given and hidden_size // heads would be 0"
+            )
         head_dim = f.get("head_dim", hidden // heads, int)
         kv_heads = f.get("num_key_value_heads", 0, int) if family == "llada2" else f.need("num_key_value_heads")
+        if kv_heads == 0 and family != "llada2":
+            raise ConfigError(f"{path}: field 'num_key_value_heads' must be > 0, found 0")
         base = dict(
             hidden=hidden,
             n_layers=f.need("num_hidden_layers"),
@@ -262,7 +306,9 @@ def parse_spec(model_dir: Path, cfg: dict[str, Any] | None = None) -> ModelSpec:
             vocab=f.need("vocab_size"),
             eps=f.upstream("rms_norm_eps", float),
             rope_theta=f.upstream("rope_theta", float),
-            rotary_dim=_rotary_dim(f, head_dim),
+            rotary_dim=_rotary_dim(
+                f, head_dim, "head_dim" if "head_dim" in cfg else "hidden_size // num_attention_heads"
+            ),
             tie_embeddings=f.upstream("tie_word_embeddings", bool),
             max_length=f.upstream("max_position_embeddings", int),
             **common,
@@ -303,6 +349,11 @@ def _llada(f: _Fields, common: dict[str, Any]) -> ModelSpec:
             f"{f.path}: missing field 'embedding_size' (the upstream default is 50304 rows, not vocab_size; "
             "write null to use vocab_size)"
         )
+    if hidden % heads == 0 and (hidden // heads) % 2:
+        raise ConfigError(
+            f"{f.path}: fields 'd_model' ({hidden}) / 'n_heads' ({heads}) give head_dim {hidden // heads}; "
+            "RoPE over the whole head needs an even head_dim"
+        )
     mqa = f.get("multi_query_attention", False, bool)
     return ModelSpec(
         hidden=hidden,
@@ -333,6 +384,10 @@ def _llada_moe(f: _Fields, base: dict[str, Any]) -> ModelSpec:
     ``norm_topk_prob``), every layer an MoE layer, no shared experts, no expert bias."""
     layers = base["n_layers"]
     freq = f.cfg.get("moe_layer_freq")
+    if isinstance(freq, list) and len(freq) != layers:
+        raise ConfigError(
+            f"{f.path}: field 'moe_layer_freq' has {len(freq)} entries but 'num_hidden_layers' is {layers}"
+        )
     if freq is not None and freq != 1 and freq != [1] * layers:
         raise ConfigError(
             f"{f.path}: field 'moe_layer_freq' = {freq!r} has dense layers, which are not supported for "
@@ -391,38 +446,31 @@ def _llada2(f: _Fields, base: dict[str, Any]) -> ModelSpec:
 
 
 def _check_spec(s: ModelSpec, path: Path) -> None:
-    sizes = (
-        ("layers", s.n_layers),
-        ("hidden size", s.hidden),
-        ("attention heads", s.n_heads),
-        ("KV heads", s.n_kv_heads),
-        ("head dim", s.head_dim),
-        ("intermediate size", s.intermediate),
-        ("vocab", s.vocab),
-        ("max length", s.max_length),
-    )
-    for name, v in sizes:
-        if v <= 0:
-            raise ConfigError(f"{path}: {name} must be positive, found {v}")
+    """Checks across fields (each field's own range is checked as it is read)."""
+    heads, kv = ("n_heads", "n_kv_heads") if s.family == "llada" else ("num_attention_heads", "num_key_value_heads")
     if s.n_heads % s.n_kv_heads:
-        raise ConfigError(f"{path}: {s.n_heads} attention heads is not a multiple of {s.n_kv_heads} KV heads")
+        raise ConfigError(f"{path}: field {heads!r} ({s.n_heads}) is not a multiple of {kv!r} ({s.n_kv_heads})")
     if s.family == "llada" and s.hidden % s.n_heads:
-        raise ConfigError(f"{path}: d_model {s.hidden} is not divisible by n_heads {s.n_heads}")
-    if not s.eps > 0:
-        raise ConfigError(f"{path}: rms_norm_eps must be > 0, found {s.eps}")
-    if not s.rope_theta > 0:
-        raise ConfigError(f"{path}: rope_theta must be > 0, found {s.rope_theta}")
+        raise ConfigError(f"{path}: field 'd_model' ({s.hidden}) is not divisible by 'n_heads' ({s.n_heads})")
+    ids = [("mask_token_id", s.mask_id), ("pad_token_id", s.pad_id), ("bos_token_id", s.bos_id)]
+    ids += [("eos_token_id", i) for i in s.eos_ids]
+    vocab_field = "embedding_size" if s.family == "llada" and s.config.get("embedding_size") else "vocab_size"
+    for name, i in ids:
+        if i is not None and not 0 <= i < s.vocab:
+            raise ConfigError(f"{path}: field {name!r} = {i} is outside the vocabulary ({vocab_field} {s.vocab})")
     if s.moe is not None:
         m = s.moe
-        for name, v in (("num_experts", m.n_experts), ("num_experts_per_tok", m.top_k)):
-            if v <= 0:
-                raise ConfigError(f"{path}: {name} must be positive, found {v}")
         if m.top_k > m.n_experts:
-            raise ConfigError(f"{path}: num_experts_per_tok {m.top_k} exceeds num_experts {m.n_experts}")
-        if m.n_group <= 0 or m.n_experts % m.n_group or not 0 < m.topk_group <= m.n_group:
+            raise ConfigError(f"{path}: field 'num_experts_per_tok' ({m.top_k}) exceeds 'num_experts' ({m.n_experts})")
+        if m.n_experts % m.n_group or m.topk_group > m.n_group:
             raise ConfigError(
-                f"{path}: n_group {m.n_group} / topk_group {m.topk_group} do not divide {m.n_experts} experts "
-                "into groups with 1..n_group kept"
+                f"{path}: fields 'n_group' ({m.n_group}) / 'topk_group' ({m.topk_group}) do not split "
+                f"'num_experts' ({m.n_experts}) into equal groups with at most n_group kept"
+            )
+        if m.top_k > m.topk_group * (m.n_experts // m.n_group):
+            raise ConfigError(
+                f"{path}: field 'num_experts_per_tok' ({m.top_k}) exceeds the experts kept: 'topk_group' "
+                f"({m.topk_group}) groups of num_experts / 'n_group' ({m.n_experts} / {m.n_group})"
             )
 
 

@@ -30,8 +30,12 @@ class Tokenizer:
         if cfg_path.is_file():
             try:
                 self.config = json.loads(cfg_path.read_text())
-            except json.JSONDecodeError as e:
+            except OSError as e:
+                raise TokenizerError(f"{cfg_path}: cannot read ({e.strerror or e})") from None
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise TokenizerError(f"{cfg_path}: not valid JSON ({e})") from None
+            if not isinstance(self.config, dict):
+                raise TokenizerError(f"{cfg_path}: expected a JSON object, found {type(self.config).__name__}")
         self.chat_template: str | None = self.config.get("chat_template")
         self._cfg_path = cfg_path
 
@@ -53,7 +57,21 @@ class Tokenizer:
         return enc.ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        """Text of ``ids``. Ids past the tokenizer's vocabulary (an embedding may have more rows
+        than the tokenizer has tokens, e.g. padded to a multiple of 128) are never dropped:
+        each is written as ``<|id:N|>``."""
+        out, run = [], []
+        for i in ids:
+            if 0 <= i < self.vocab_size:
+                run.append(i)
+                continue
+            if run:
+                out.append(self._tok.decode(run, skip_special_tokens=skip_special_tokens))
+                run = []
+            out.append(f"<|id:{i}|>")
+        if run:
+            out.append(self._tok.decode(run, skip_special_tokens=skip_special_tokens))
+        return "".join(out)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
@@ -61,12 +79,27 @@ class Tokenizer:
         import jinja2
 
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_from_template
         try:
             template = env.from_string(self.chat_template)
         except jinja2.TemplateError as e:
             raise TokenizerError(f"{self._cfg_path}: chat_template does not parse: {e}") from None
         specials = {k: _content(self.config.get(k)) or "" for k in ("bos_token", "eos_token", "pad_token")}
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+        except _TemplateRaised as e:
+            raise TokenizerError(f"{self._cfg_path}: chat_template raised: {e}") from None
+        except Exception as e:  # undefined names, wrong types: the template is at fault, not dinfer-rt
+            raise TokenizerError(f"{self._cfg_path}: chat_template failed: {type(e).__name__}: {e}") from None
+
+
+class _TemplateRaised(Exception):
+    pass
+
+
+def _raise_from_template(message: str) -> None:
+    """``raise_exception(msg)``, the helper HF chat templates call to refuse a conversation."""
+    raise _TemplateRaised(message)
 
 
 def _content(token: Any) -> str | None:

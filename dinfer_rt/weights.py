@@ -38,11 +38,32 @@ def check_tensors(ckpt: Checkpoint, spec: ModelSpec, plan: list[ParamPlan]) -> N
             )
 
 
-def load_weights(ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def check_values(ckpt: Checkpoint, name: str, tensor: torch.Tensor, converted: torch.Tensor | None) -> None:
+    """A float weight that is not a float, or holds NaN / infinity (before or after the dtype
+    conversion): one error naming the tensor and file."""
+    where = f"{ckpt.files[name]}: tensor {name!r}"
+    if not tensor.dtype.is_floating_point:
+        raise CheckpointError(f"{where} has integer dtype {tensor.dtype}; a float weight belongs here")
+    if converted is None:
+        return
+    if not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise CheckpointError(
+            f"{where} holds {bad} NaN/infinite value(s) (pass check_weights=False / --no-check-weights to skip)"
+        )
+    if not bool(torch.isfinite(converted).all()):
+        raise CheckpointError(f"{where} overflows {converted.dtype}: its values exceed the dtype's range")
+
+
+def load_weights(
+    ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype, check_weights: bool = True
+) -> dict[str, torch.Tensor]:
     """Read every parameter once, converting each tensor to ``dtype`` as it is read.
 
     Router weights and expert bias stay in fp32 (f64 in validation mode); stacked experts
-    are filled in place into one preallocated [E, ...] tensor.
+    are filled in place into one preallocated [E, ...] tensor. ``check_weights`` scans every
+    tensor for NaN / infinity as it is read (one pass per tensor; skip it for trusted
+    checkpoints); a non-float tensor is always refused.
     """
     plan = param_plan(spec)
     check_tensors(ckpt, spec, plan)
@@ -56,14 +77,19 @@ def load_weights(ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype) -> dict[
             weights[p.name] = torch.empty(p.shape, dtype=dtype)
     for src, tensor in ckpt.read(list(where)):
         p, slot = where[src]
+        check_values(ckpt, src, tensor, None)
         if p.transform == "copy":
-            weights[p.name] = tensor.to(acc if p.keep_fp32 else dtype)
+            weights[p.name] = part = tensor.to(acc if p.keep_fp32 else dtype)
         elif p.transform == "stack":
-            weights[p.name][slot].copy_(tensor)
+            part = weights[p.name][slot]
+            part.copy_(tensor)
         else:  # stack_pairs: (gate, up) of expert j fill rows [0:I] and [I:2I] of slot j
             expert, half = divmod(slot, 2)
             rows = tensor.shape[0]
-            weights[p.name][expert, half * rows : (half + 1) * rows].copy_(tensor)
+            part = weights[p.name][expert, half * rows : (half + 1) * rows]
+            part.copy_(tensor)
+        if check_weights:
+            check_values(ckpt, src, tensor, part)
     if spec.tie_embeddings:
         weights["lm_head"] = weights["embed"]
     return weights

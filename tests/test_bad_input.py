@@ -195,3 +195,19 @@ def test_chat_template_is_applied(llada):
     text = model.tokenizer.apply_chat_template([{"role": "user", "content": " abc "}])
     assert text == "<|startoftext|>abc<|eot_id|>"
     assert model.tokenizer.encode(text) == [2, 6, 7, 8, 4]
+
+
+def test_ids_past_the_tokenizer_are_kept(tmp_path):
+    """An embedding with more rows than the tokenizer has ids is legitimate; decode keeps them."""
+    path = checkpoints.llada(tmp_path / "m", vocab=70)
+    checkpoints.write_tokenizer(path, 61)
+    tok = dinfer_rt.load_model(path).tokenizer
+    assert tok.decode([6, 7, 65, 8]) == "ab<|id:65|>c"
+
+
+def test_check_weights_can_be_skipped_for_trusted_checkpoints(llada):
+    _edit_tensors(llada, lambda t: t["model.transformer.ln_f.weight"].fill_(float("nan")))
+    with pytest.raises(CheckpointError, match="NaN/infinite"):
+        dinfer_rt.load_model(llada)
+    model = dinfer_rt.load_model(llada, check_weights=False)
+    assert torch.isnan(model.forward(torch.zeros(1, 3, dtype=torch.long))).all()

@@ -70,3 +70,61 @@ def test_bench_reports_latency_percentiles(ckpt_dir, capsys, monkeypatch):
     assert r["forwards"] == 8 and r["warmup"] == 1 and r["iters"] == 2
     assert 0 < r["step_ms_p50"] <= r["step_ms_p90"] <= r["step_ms_p99"]
     assert r["peak_rss_mb"] > 0 and r["tokens_per_batch_forward"] == 8.0
+
+
+def test_interrupt_prints_one_line_and_exits_130():
+    """A real Ctrl-C (SIGINT) while `dinfer-rt eval` decodes: `interrupted`, exit 130, no traceback."""
+    import os
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dinfer_rt", "eval", "--limit", "1000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        seen = ""
+        while "generate" not in seen and time.monotonic() < deadline:  # the progress bar: decoding runs
+            seen += os.read(proc.stderr.fileno(), 4096).decode(errors="replace")
+        assert "generate" in seen, seen
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    lines = [ln for ln in (seen + "\n" + err).replace("\r", "\n").splitlines() if ln.strip() and "generate" not in ln]
+    assert proc.returncode == 130 and lines and lines[-1] == "interrupted", (proc.returncode, seen[-500:], err[-500:])
+    assert "Traceback" not in seen + err
+
+
+def test_interrupted_report_leaves_no_half_written_file(tmp_path, monkeypatch, capsys):
+    import dinfer_rt.validation.runner as runner
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "validate", interrupted)
+    report = tmp_path / "report.json"
+    assert main(["validate", "--backends", "cpu", "--json", str(report)]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "interrupted"
+    assert not report.exists() and not list(tmp_path.iterdir())
+
+
+def test_atomic_write_interrupted_mid_rename_leaves_nothing(tmp_path, monkeypatch):
+    import os
+
+    import pytest
+
+    from dinfer_rt.files import write_text_atomic
+
+    def boom(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(KeyboardInterrupt):
+        write_text_atomic(tmp_path / "out.md", "x" * 10000)
+    assert not list(tmp_path.iterdir())

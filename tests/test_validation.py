@@ -31,15 +31,54 @@ def test_cpu_passes_op_conformance_in_every_dtype():
     assert not bad, bad
 
 
+def test_planted_kernel_faults_fail_and_are_named(faulty):
+    """Every planted fault fails op conformance in quick mode, and only on the op it is in."""
+    from tests.fake_plugins.faulty import FAULTS
+
+    for backend, (op, _, _) in FAULTS.items():
+        results = run_conformance(plugins.select_backend(backend), [torch.float32], quick=True)
+        failed = {r["op"] for r in results if r["status"] == "fail"}
+        assert failed == {op} or (op == "rms_norm" and failed == {"rms_norm", "add_rms_norm"}), (backend, failed)
+        first = next(r for r in results if r["status"] == "fail")
+        assert "worst element" in first["detail"] and first["max_rel"] > first["tolerance"]["rel"]
+
+
 @pytest.mark.parametrize(
-    "backend, op", [("faulty_norm", "rms_norm"), ("faulty_rope", "rope"), ("faulty_attention", "attention")]
+    "backend",
+    [
+        "faulty_norm",
+        "faulty_rope",
+        "faulty_attention",
+        "faulty_rope_attention",
+        "faulty_mask_swap",
+        "faulty_splice",
+        "faulty_gqa",
+        "faulty_router",
+        "faulty_confidence",
+    ],
 )
-def test_planted_kernel_faults_fail_and_are_named(faulty, backend, op):
-    results = run_conformance(plugins.select_backend(backend), [torch.float32])
-    failed = {r["op"] for r in results if r["status"] == "fail"}
-    assert failed == {op} or (op == "rms_norm" and failed == {"rms_norm", "add_rms_norm"})
-    first = next(r for r in results if r["status"] == "fail")
-    assert "worst element" in first["detail"] and first["max_rel"] > first["tolerance"]["rel"]
+def test_validate_self_check_fails_every_planted_fault_naming_the_op(faulty, backend):
+    """The suite checks itself: `validate --quick` of each faulty copy of the cpu kernels fails and
+    its failures name the op (a fused attention that ignores padding included)."""
+    from dinfer_rt.validation.runner import validate
+    from tests.fake_plugins.faulty import FAULTS
+
+    report = validate(backend, quick=True, dtypes="float32")
+    assert report["verdict"] == "fail"
+    failures = report["results"][0]["failures"]
+    assert any(f.startswith(f"op {FAULTS[backend][0]}/") for f in failures), failures
+
+
+def test_model_level_checks_catch_a_padding_bug_on_mixed_length_prompts(faulty, ckpt_dir):
+    """Beyond the op database: teacher-forced logits of a left-padded mixed-length batch."""
+    import dinfer_rt
+
+    path = ckpt_dir("llada")
+    bad = dinfer_rt.load_model(path, backend="faulty_rope_attention")
+    ref = dinfer_rt.load_model(path, backend="cpu", dtype="float64")
+    assert bad.pass_counts["fold_rope_into_attention"] > 0  # the faulty fused kernel is the one running
+    assert not model_checks.teacher_forced(bad, ref, [[7, 8, 9, 10], [11, 12]], None, 8)["passed"]
+    assert model_checks.teacher_forced(bad, ref, [[7, 8, 9, 10], [11, 12, 13, 14]], None, 8)["passed"]
 
 
 def test_planted_fault_diverges_a_free_running_generation(faulty, ckpt_dir):

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from dinfer_rt import envs
+from dinfer_rt.files import check_writable_dir, write_text_atomic
 from dinfer_rt.ir import Graph, IRError, Value
 from dinfer_rt.passes import cleanup, fusion, reorder
 
@@ -87,8 +88,8 @@ class PassManager:
         ctx = PassContext(weights, priority=self.priority)
         dump = envs.get(envs.DINFER_DUMP_IR)
         if dump:
-            Path(dump).mkdir(parents=True, exist_ok=True)
-            (Path(dump) / f"{graph.name}.00.lowered.ir").write_text(str(graph))
+            check_writable_dir(dump, envs.DINFER_DUMP_IR)
+            write_text_atomic(Path(dump) / f"{graph.name}.00.lowered.ir", str(graph), envs.DINFER_DUMP_IR)
         for i, p in enumerate(self.passes, start=1):
             ctx.counts[p.name] = p.run(graph, ctx)
             try:
@@ -96,5 +97,6 @@ class PassManager:
             except IRError as e:
                 raise IRError(f"after pass {p.name!r}: {e}") from None
             if dump:
-                (Path(dump) / f"{graph.name}.{i:02d}.{p.phase}.{p.name}.ir").write_text(str(graph))
+                name = f"{graph.name}.{i:02d}.{p.phase}.{p.name}.ir"
+                write_text_atomic(Path(dump) / name, str(graph), envs.DINFER_DUMP_IR)
         return graph, ctx.counts

@@ -1,4 +1,5 @@
-"""Model-level checks of a backend against the float64 reference (``cpu``):
+"""Model-level checks of a backend against the float64 reference (``cpu``), on left-padded
+batches of mixed-length prompts (padding bugs show up only there):
 
 - teacher-forced logits at several mask fractions (max abs/rel error, cosine, argmax agreement);
 - per-step commit decisions in lock-step, with a near-tie rule;
@@ -21,18 +22,32 @@ MOE_FLIP_SHARE = 0.05
 EXACT_MATCH = {torch.float32: 1.0, torch.float64: 1.0, torch.bfloat16: 0.8, torch.float16: 0.9}
 
 
+def _left_padded(model: Model, prompts: list[list[int]], tail: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prompts of mixed lengths left-padded with the pad id, plus ``tail`` slots after each:
+    (ids [B, P + tail] with the tail masked, attention mask or None when nothing is padded)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width + tail), model.mask_id)
+    mask = torch.ones(len(prompts), width + tail, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, : width - len(p)] = model.pad_id
+        mask[r, : width - len(p)] = 0
+        ids[r, width - len(p) : width] = torch.tensor(p)
+    return ids, (None if bool(mask.all()) else mask)
+
+
 def _states(
     model: Model, prompts: list[list[int]], answers: list[list[int]] | None, gen: int, frac: float, seed: int
-) -> torch.Tensor:
-    """Sequences [prompt | answer with a fraction ``frac`` of its slots masked] (random answers if none)."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sequences [left-padded prompt | answer with a fraction ``frac`` of its slots masked] (random
+    answers if none) and their attention mask."""
     g = torch.Generator().manual_seed(seed)
-    rows = []
-    for i, p in enumerate(prompts):
+    x, mask = _left_padded(model, prompts, gen)
+    for i in range(len(prompts)):
         ans = answers[i] if answers else torch.randint(0, model.spec.vocab, (gen,), generator=g).tolist()
         ans = torch.tensor(ans[:gen])
         masked = torch.rand(gen, generator=g) < frac
-        rows.append(torch.cat((torch.tensor(p), torch.where(masked, model.mask_id, ans))))
-    return torch.stack(rows)
+        x[i, -gen:] = torch.where(masked, model.mask_id, ans)
+    return x, mask
 
 
 def teacher_forced(test: Model, ref: Model, prompts, answers, gen: int, fractions=(1.0, 0.5, 0.1)) -> dict:
@@ -44,8 +59,8 @@ def teacher_forced(test: Model, ref: Model, prompts, answers, gen: int, fraction
     ok = True
     flips_allowed = test.spec.moe is not None and test.dtype in (torch.bfloat16, torch.float16)
     for frac in fractions:
-        x = _states(ref, prompts, answers, gen, frac, seed=int(frac * 1000))
-        a, b = test.forward(x).double().cpu(), ref.forward(x).double()
+        x, mask = _states(ref, prompts, answers, gen, frac, seed=int(frac * 1000))
+        a, b = test.forward(x, mask).double().cpu(), ref.forward(x, mask).double()
         region = slice(x.shape[1] - gen, None)
         a, b = a[:, region], b[:, region]
         scale = b.abs().max().item()
@@ -81,13 +96,13 @@ def decisions(test: Model, ref: Model, prompts, gen: int, threshold: float = 0.9
     the threshold (or, for the forced best slot, of the runner-up)."""
     eps = NEAR_TIE[test.dtype]
     rule = strategies.make_threshold(threshold)
-    x = torch.cat((torch.tensor(prompts), torch.full((len(prompts), gen), ref.mask_id)), 1)
+    x, mask = _left_padded(ref, prompts, gen)
     steps, jaccard, violations = 0, [], []
     while (x == ref.mask_id).any() and steps < gen:
         masked = x == ref.mask_id
         outs = []
         for m in (test, ref):
-            logits = m.forward(x).double().cpu()
+            logits = m.forward(x, mask).double().cpu()
             logits[..., ref.mask_id] = float("-inf")
             x0, commit = rule(strategies.StepInput(logits, masked, torch.ones(len(x), dtype=torch.long), 0.0, None))
             conf = logits.softmax(-1).max(-1).values

@@ -34,12 +34,20 @@ def _r(g, *shape, scale=1.0):
     return torch.randn(*shape, generator=g, dtype=F64) * scale
 
 
+def _mixed_lengths(b: int, s: int, pad: int) -> torch.Tensor:
+    """Key validity of a left-padded batch of mixed lengths: row 0 loses ``pad`` keys, row 1
+    half as many, the rest none (so a kernel that ignores the mask, or applies one row's mask
+    to every row, changes the result)."""
+    valid = torch.ones(b, s, dtype=torch.bool)
+    for row, n in enumerate((pad, pad // 2)[:b]):
+        valid[row, :n] = False
+    return valid
+
+
 def _attention_case(bucket, b, t, s, h, kv, d, cached, block, pad):
     def build(g):
         q, k, v = _r(g, b, t, h, d), _r(g, b, t, kv, d), _r(g, b, t, kv, d)
-        valid = torch.ones(b, s, dtype=torch.bool)
-        if pad:
-            valid[0, :pad] = False
+        valid = _mixed_lengths(b, s, pad)
         idx = torch.arange(s - t, s) if cached else torch.arange(t)
         ins = [q, k, v, valid, idx]
         if cached:
@@ -106,6 +114,8 @@ def cases(quick: bool = False) -> list[OpCase]:
         _attention_case("gqa8-blockcausal", 1, 12, 12, 8, 1, 8, False, 4, 0),
         _attention_case("cache-splice-gqa", 2, 4, 11, 4, 2, 16, True, None, 2),
         _attention_case("cache-blockcausal", 1, 4, 12, 4, 4, 8, True, 4, 0),
+        _attention_case("blockcausal-pad", 2, 12, 12, 4, 2, 8, False, 4, 5),
+        _attention_case("cache-blockcausal-pad", 2, 4, 12, 4, 2, 8, True, 4, 6),
         OpCase(
             "router_softmax_topk",
             "e6k2",
@@ -168,6 +178,27 @@ def cases(quick: bool = False) -> list[OpCase]:
             float_inputs=(0, 1, 2),
         ),
         OpCase(
+            "rope_attention",
+            "qknorm-pad",
+            _rope_attention_inputs(True, False, pad=3),
+            {"scale": 0.25, "block_size": None, "theta": 600000.0, "rotary_dim": 8, "eps": 1e-6},
+            float_inputs=(0, 1, 2, 6, 7),
+        ),
+        OpCase(
+            "rope_attention",
+            "cache-splice-pad",
+            _rope_attention_inputs(False, True, pad=4),
+            {"scale": 0.25, "block_size": None, "theta": 10000.0, "rotary_dim": 16, "eps": 1e-6},
+            float_inputs=(0, 1, 2, 8, 9),
+        ),
+        OpCase(
+            "rope_attention",
+            "blockcausal-cache-pad",
+            _rope_attention_inputs(True, True, pad=4, block=True),
+            {"scale": 0.25, "block_size": 4, "theta": 600000.0, "rotary_dim": 8, "eps": 1e-6},
+            float_inputs=(0, 1, 2, 6, 7, 8, 9),
+        ),
+        OpCase(
             "moe_routed",
             "softmax-e6k2",
             _moe_routed_inputs(False),
@@ -187,8 +218,8 @@ def cases(quick: bool = False) -> list[OpCase]:
     if not quick:
         return c
     kept, seen = [], set()
-    for case in c:  # quick: the first bucket of each op, plus the padded-GQA and cache-splice attention
-        if case.op not in seen or case.bucket in ("gqa4-pad", "cache-splice-gqa"):
+    for case in c:  # quick: the first bucket of each op, plus every padded or cache-splicing attention
+        if case.op not in seen or "pad" in case.bucket or "cache" in case.bucket:
             kept.append(case)
             seen.add(case.op)
     return kept
@@ -203,14 +234,14 @@ def _moe_inputs(g):
     return [x, w, idx, _r(g, 6, 2 * 12, 24, scale=0.2), _r(g, 6, 24, 12, scale=0.3)]
 
 
-def _rope_attention_inputs(norms: bool, cached: bool):
+def _rope_attention_inputs(norms: bool, cached: bool, pad: int = 0, block: bool = False):
     def build(g):
-        b, t, s, h, kv, d = 2, 4, 9, 4, 2, 16
+        b, t, s, h, kv, d = 2, 4, 12 if block else 9, 4, 2, 16
         ins = [
             _r(g, b, t, h, d),
             _r(g, b, t, kv, d),
             _r(g, b, t, kv, d),
-            torch.ones(b, s if cached else t, dtype=torch.bool),
+            _mixed_lengths(b, s if cached else t, pad),
             torch.arange(s - t, s) if cached else torch.arange(t),
             (torch.arange(s - t, s) if cached else torch.arange(t)).expand(b, t),
         ]

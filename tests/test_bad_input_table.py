@@ -1,0 +1,295 @@
+"""Every bad input in docs/bad-inputs.md, one row a case: each must raise the project's own error
+type (or, for the CLI, exit 2) with one line that contains the row's message. The last test
+keeps the table and these cases the same."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import dinfer_rt
+from dinfer_rt import plugins
+from dinfer_rt.errors import DinferError
+from dinfer_rt.testing import checkpoints
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLE = ROOT / "docs" / "bad-inputs.md"
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    run: Callable  # (env) -> None; raises the error under test
+    message: str  # a fragment the one-line message must contain
+
+
+class Env:
+    """What a case may use: a fresh tiny checkpoint, pytest's monkeypatch and the CLI."""
+
+    def __init__(self, tmp_path: Path, monkeypatch) -> None:
+        self.tmp, self.monkeypatch = tmp_path, monkeypatch
+        self._ckpt: Path | None = None
+
+    @property
+    def ckpt(self) -> Path:
+        if self._ckpt is None:
+            self._ckpt = checkpoints.llada(self.tmp / "m")
+        return self._ckpt
+
+    def config(self, **changes) -> Path:
+        cfg = json.loads((self.ckpt / "config.json").read_text())
+        cfg.update(changes)
+        (self.ckpt / "config.json").write_text(json.dumps(cfg))
+        return self.ckpt
+
+    def tensor(self, name: str, value: torch.Tensor) -> Path:
+        f = self.ckpt / "model.safetensors"
+        t = load_file(str(f))
+        t[name] = value
+        save_file(t, str(f))
+        return self.ckpt
+
+    def tokenizer_config(self, **changes) -> Path:
+        path = self.ckpt / "tokenizer_config.json"
+        cfg = json.loads(path.read_text())
+        cfg.update(changes)
+        path.write_text(json.dumps(cfg))
+        return self.ckpt
+
+    def cli(self, *argv: str) -> None:
+        """Run the CLI; exit status 2 with a message becomes a DinferError carrying it."""
+        import contextlib
+        import io
+
+        from dinfer_rt.cli import main
+
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                rc = main(list(argv))
+            except SystemExit as e:  # argparse's own errors
+                rc = e.code
+        lines = [ln for ln in err.getvalue().splitlines() if ln.startswith(("error:", "dinfer-rt"))]
+        if rc == 2:
+            raise DinferError(lines[-1] if lines else err.getvalue())
+        raise AssertionError(f"exit {rc}, stderr {err.getvalue()!r}")
+
+
+def _load(path: Path, **kw) -> None:
+    dinfer_rt.load_model(path, **{"backend": "cpu", **kw})
+
+
+def _sampling(**fields) -> Callable:
+    return lambda env: dinfer_rt.SamplingParams(**fields).validate()
+
+
+def _generate(prompt) -> Callable:
+    def run(env: Env) -> None:
+        llm = dinfer_rt.LLM(env.ckpt, backend="cpu")
+        llm.generate(prompt, dinfer_rt.SamplingParams(gen_length=4, block_length=4))
+
+    return run
+
+
+def _template(template: str) -> Callable:
+    def run(env: Env) -> None:
+        env.tokenizer_config(chat_template=template)
+        dinfer_rt.load_model(env.ckpt, backend="cpu").tokenizer.apply_chat_template([{"role": "user", "content": "a"}])
+
+    return run
+
+
+def _unreadable_config(env: Env) -> None:
+    real = Path.read_text
+
+    def deny(self, *a, **k):
+        if self.name == "config.json":
+            raise PermissionError(13, "Permission denied")
+        return real(self, *a, **k)
+
+    env.monkeypatch.setattr(Path, "read_text", deny)
+    _load(env.ckpt)
+
+
+def _dump_ir_unwritable(env: Env) -> None:
+    blocker = env.tmp / "file"
+    blocker.write_text("x")
+    env.monkeypatch.setenv("DINFER_DUMP_IR", str(blocker / "dumps"))
+    _load(env.ckpt)
+
+
+def _plugins_missing(env: Env) -> None:
+    env.monkeypatch.setenv("DINFER_PLUGINS", "cpu,nosuchplugin")
+    plugins.registry.cache_clear()
+    _load(env.ckpt)
+
+
+CASES = [
+    # ------------------------------------------------------------------ config.json
+    Case("zero-layers", lambda env: _load(env.config(n_layers=0)), "field 'n_layers' must be > 0, found 0"),
+    Case("negative-heads", lambda env: _load(env.config(n_heads=-2)), "field 'n_heads' must be > 0, found -2"),
+    Case("zero-hidden", lambda env: _load(env.config(d_model=0)), "field 'd_model' must be > 0, found 0"),
+    Case("zero-mlp", lambda env: _load(env.config(mlp_hidden_size=0)), "field 'mlp_hidden_size' must be > 0"),
+    Case(
+        "zero-max-length",
+        lambda env: _load(env.config(max_sequence_length=0)),
+        "field 'max_sequence_length' must be > 0, found 0",
+    ),
+    Case("zero-eps", lambda env: _load(env.config(rms_norm_eps=0.0)), "field 'rms_norm_eps' must be > 0, found 0.0"),
+    Case("nan-eps", lambda env: _load(env.config(rms_norm_eps=math.nan)), "field 'rms_norm_eps' must be a finite"),
+    Case(
+        "negative-rope-theta",
+        lambda env: _load(env.config(rope_theta=-1.0)),
+        "field 'rope_theta' must be > 0, found -1.0",
+    ),
+    Case(
+        "heads-not-multiple-of-kv",
+        lambda env: _load(env.config(n_kv_heads=5)),
+        "field 'n_heads' (4) is not a multiple of 'n_kv_heads' (5)",
+    ),
+    Case(
+        "mask-id-outside-vocab",
+        lambda env: _load(env.config(mask_token_id=999)),
+        "field 'mask_token_id' = 999 is outside the vocabulary (embedding_size 61)",
+    ),
+    Case(
+        "eos-id-outside-vocab",
+        lambda env: _load(env.config(eos_token_id=[1, 70])),
+        "field 'eos_token_id' = 70 is outside the vocabulary",
+    ),
+    Case("negative-pad-id", lambda env: _load(env.config(pad_token_id=-1)), "field 'pad_token_id' must be >= 0"),
+    Case(
+        "bool-where-int",
+        lambda env: _load(env.config(n_layers=True)),
+        "field 'n_layers' should be int, found True",
+    ),
+    Case(
+        "mask-id-contradicts-tokenizer",
+        lambda env: _load(env.config(mask_token_id=4)),
+        "field 'mask_token_id' = 4 contradicts",
+    ),
+    Case("model-path-is-a-file", lambda env: _load(env.ckpt / "config.json"), "is a file; the model path must be"),
+    Case("unreadable-config", _unreadable_config, "config.json: cannot read (Permission denied)"),
+    # ------------------------------------------------------------------ weights
+    Case(
+        "integer-weight",
+        lambda env: _load(env.tensor("model.transformer.ln_f.weight", torch.ones(48, dtype=torch.int32))),
+        "tensor 'model.transformer.ln_f.weight' has integer dtype torch.int32",
+    ),
+    Case(
+        "nan-weight",
+        lambda env: _load(env.tensor("model.transformer.ln_f.weight", torch.full((48,), math.nan))),
+        "tensor 'model.transformer.ln_f.weight' holds 48 NaN/infinite value(s)",
+    ),
+    Case(
+        "inf-weight",
+        lambda env: _load(
+            env.tensor("model.transformer.blocks.0.q_proj.weight", torch.tensor(math.inf).expand(48, 48).clone())
+        ),
+        "holds 2304 NaN/infinite value(s)",
+    ),
+    Case(
+        "weight-overflows-dtype",
+        lambda env: _load(env.tensor("model.transformer.ln_f.weight", torch.full((48,), 1e6)), dtype="float16"),
+        "tensor 'model.transformer.ln_f.weight' overflows torch.float16",
+    ),
+    # ------------------------------------------------------------------ tokenizer and chat template
+    Case("template-raises", _template("{{ raise_exception('no system role here') }}"), "raised: no system role here"),
+    Case(
+        "template-undefined-name",
+        _template("{{ messages[0].content.nope.deeper }}"),
+        "chat_template failed: UndefinedError",
+    ),
+    Case("template-does-not-parse", _template("{% for %}"), "chat_template does not parse"),
+    # ------------------------------------------------------------------ SamplingParams
+    Case("nan-temperature", _sampling(temperature=math.nan), "temperature must be a finite number, got nan"),
+    Case("inf-threshold", _sampling(threshold=math.inf), "threshold must be a finite number, got inf"),
+    Case("negative-cfg-scale", _sampling(cfg_scale=-1.0), "cfg_scale -1.0 must be >= 0"),
+    Case("float-gen-length", _sampling(gen_length=4.0), "gen_length must be int, got float 4.0"),
+    Case("bool-batch-size", _sampling(batch_size=True), "batch_size must be int, got bool True"),
+    Case("zero-sync-every", _sampling(sync_every=0), "sync_every 0 must be >= 1"),
+    Case("negative-seed", _sampling(seed=-1), "seed -1 must be in [0, 9223372036854775807]"),
+    Case("strategy-not-a-string", _sampling(strategy=3), "strategy must be str, got int 3"),
+    Case("threshold-above-one", _sampling(threshold=1.5), "threshold 1.5 must be in (0, 1]"),
+    # ------------------------------------------------------------------ token ids through the API
+    Case("token-id-past-vocab", _generate([7, 999]), "prompt 0: token 1 is 999; token ids must be ints in [0, 61)"),
+    Case("negative-token-id", _generate([-3, 7]), "prompt 0: token 0 is -3"),
+    Case("non-int-token", _generate([[7, "a"]]), "prompt 0: token 1 is 'a'"),
+    Case("prompt-wrong-type", _generate(5), "prompts must be a string or a non-empty list, got 5"),
+    Case(
+        "forward-ids-past-vocab",
+        lambda env: dinfer_rt.load_model(env.ckpt, backend="cpu").forward(torch.tensor([[1, 61]])),
+        "input_ids hold ids outside [0, 61) (min 1, max 61)",
+    ),
+    # ------------------------------------------------------------------ environment and backends
+    Case("backend-extra-parts", lambda env: _load(env.ckpt, backend="cpu:::"), "'cpu:::' from the backend argument"),
+    Case("backend-empty-flavour", lambda env: _load(env.ckpt, backend="cpu:"), "is not name[:flavour[:arch]]"),
+    Case("cpu-unknown-flavour", lambda env: _load(env.ckpt, backend="cpu:fast"), "backend cpu has no flavour 'fast'"),
+    Case("plugin-not-installed", _plugins_missing, "DINFER_PLUGINS names plugin(s) not installed: nosuchplugin"),
+    Case("dump-ir-not-writable", _dump_ir_unwritable, "DINFER_DUMP_IR"),
+    # ------------------------------------------------------------------ CLI numbers
+    Case(
+        "eval-limit-zero", lambda env: env.cli("eval", "--limit", "0"), "argument --limit: must be in [1, 1000], got 0"
+    ),
+    Case(
+        "eval-limit-not-int", lambda env: env.cli("eval", "--limit", "ten"), "--limit: expected an integer, got 'ten'"
+    ),
+    Case("bench-iters-zero", lambda env: env.cli("bench", "--iters", "0"), "argument --iters: must be >= 1, got 0"),
+    Case("bench-warmup-negative", lambda env: env.cli("bench", "--warmup", "-1"), "argument --warmup: must be >= 0"),
+    Case("ir-block-size-zero", lambda env: env.cli("ir", "--block-size", "0"), "argument --block-size: must be >= 1"),
+    Case(
+        "generate-gen-length-zero",
+        lambda env: env.cli("generate", "ab", "--gen-length", "0"),
+        "gen_length 0 must be >= 1",
+    ),
+    Case(
+        "validate-report-unwritable",
+        lambda env: env.cli("validate", "--backends", "cpu", "--json", "/proc/nope/report.json"),
+        "report folder /proc/nope is not a writable folder",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_gives_one_line_naming_the_problem(case, tmp_path, monkeypatch):
+    with pytest.raises(DinferError) as e:
+        case.run(Env(tmp_path, monkeypatch))
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    assert case.message in msg, msg
+
+
+def _table_rows() -> list[list[str]]:
+    rows = []
+    for line in TABLE.read_text().splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        if line.startswith("|") and len(cells) == 3 and re.fullmatch(r"`[a-z0-9-]+`", cells[0]):
+            rows.append(cells)
+    return rows
+
+
+def test_the_table_in_docs_lists_exactly_these_cases_and_messages():
+    rows = {cells[0].strip("`"): cells for cells in _table_rows()}
+    assert set(rows) == {c.id for c in CASES}
+    for c in CASES:
+        assert f"`{c.message}`" == rows[c.id][2].replace("\\|", "|"), c.id
+
+
+def test_every_test_the_table_points_to_exists():
+    """The rows handled elsewhere name a test function; each must exist in that file."""
+    import ast
+
+    named = re.findall(r"`(tests/[a-z_]+\.py)::([a-z0-9_]+)`", TABLE.read_text())
+    assert len(named) > 10
+    for file, func in named:
+        tree = ast.parse((ROOT / file).read_text())
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert func in defined, f"{file}::{func}"
