@@ -84,26 +84,20 @@ def tiny_llm(tmp_path_factory):
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    strategy=st.sampled_from(dinfer_rt.sampling.STRATEGIES),
-    cache=st.sampled_from(dinfer_rt.sampling.CACHES),
-    blocks=st.integers(1, 2),
-    block=st.sampled_from([2, 4]),
-    threshold=st.floats(0.05, 1.0),
-    temperature=st.sampled_from([0.0, 0.7]),
-    sync_every=st.integers(1, 3),
+    shape=st.tuples(st.integers(1, 2), st.sampled_from([2, 4])),
+    knobs=st.fixed_dictionaries(
+        {
+            "strategy": st.sampled_from(dinfer_rt.sampling.STRATEGIES),
+            "cache": st.sampled_from(dinfer_rt.sampling.CACHES),
+            "threshold": st.floats(0.05, 1.0),
+            "temperature": st.sampled_from([0.0, 0.7]),
+            "sync_every": st.integers(1, 3),
+        }
+    ),
 )
-def test_valid_sampling_params_generate(tiny_llm, strategy, cache, blocks, block, threshold, temperature, sync_every):
-    """Any valid combination runs end to end and commits every slot (or stops at EOS)."""
-    params = dinfer_rt.SamplingParams(
-        gen_length=blocks * block,
-        block_length=block,
-        strategy=strategy,
-        cache=cache,
-        threshold=threshold,
-        temperature=temperature,
-        sync_every=sync_every,
-        batch_size=2,
-        chat=False,
-    )
+def test_valid_sampling_params_generate(tiny_llm, shape, knobs):
+    """Any valid combination runs end to end (every block decoded, or stopped at EOS)."""
+    blocks, block = shape
+    params = dinfer_rt.SamplingParams(gen_length=blocks * block, block_length=block, batch_size=2, chat=False, **knobs)
     out = tiny_llm.generate([[7, 8, 9], [10, 11]], params)
     assert len(out) == 2 and all(len(o.token_ids) <= blocks * block for o in out)

@@ -163,41 +163,11 @@ def cases(quick: bool = False) -> list[OpCase]:
             )
             for kind in ("entropy", "margin")
         ),
-        OpCase(
-            "rope_attention",
-            "qknorm-partial-cache",
-            _rope_attention_inputs(True, True),
-            {"scale": 0.25, "block_size": None, "theta": 600000.0, "rotary_dim": 8, "eps": 1e-6},
-            float_inputs=(0, 1, 2, 6, 7, 8, 9),
-        ),
-        OpCase(
-            "rope_attention",
-            "plain-blockcausal",
-            _rope_attention_inputs(False, False),
-            {"scale": 0.25, "block_size": 4, "theta": 10000.0, "rotary_dim": 16, "eps": 1e-6},
-            float_inputs=(0, 1, 2),
-        ),
-        OpCase(
-            "rope_attention",
-            "qknorm-pad",
-            _rope_attention_inputs(True, False, pad=3),
-            {"scale": 0.25, "block_size": None, "theta": 600000.0, "rotary_dim": 8, "eps": 1e-6},
-            float_inputs=(0, 1, 2, 6, 7),
-        ),
-        OpCase(
-            "rope_attention",
-            "cache-splice-pad",
-            _rope_attention_inputs(False, True, pad=4),
-            {"scale": 0.25, "block_size": None, "theta": 10000.0, "rotary_dim": 16, "eps": 1e-6},
-            float_inputs=(0, 1, 2, 8, 9),
-        ),
-        OpCase(
-            "rope_attention",
-            "blockcausal-cache-pad",
-            _rope_attention_inputs(True, True, pad=4, block=True),
-            {"scale": 0.25, "block_size": 4, "theta": 600000.0, "rotary_dim": 8, "eps": 1e-6},
-            float_inputs=(0, 1, 2, 6, 7, 8, 9),
-        ),
+        _rope_attention_case("qknorm-partial-cache", norms=True, cached=True, theta=600000.0, rotary_dim=8),
+        _rope_attention_case("plain-blockcausal", norms=False, cached=False, block=4),
+        _rope_attention_case("qknorm-pad", norms=True, cached=False, pad=3, theta=600000.0, rotary_dim=8),
+        _rope_attention_case("cache-splice-pad", norms=False, cached=True, pad=4),
+        _rope_attention_case("blockcausal-cache-pad", True, True, pad=4, block=4, theta=600000.0, rotary_dim=8),
         OpCase(
             "moe_routed",
             "softmax-e6k2",
@@ -232,6 +202,23 @@ def _moe_inputs(g):
         torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(10)]).view(2, 5, 2),
     )
     return [x, w, idx, _r(g, 6, 2 * 12, 24, scale=0.2), _r(g, 6, 24, 12, scale=0.3)]
+
+
+def _rope_attention_case(
+    bucket: str,
+    norms: bool,
+    cached: bool,
+    pad: int = 0,
+    block: int | None = None,
+    theta: float = 10000.0,
+    rotary_dim: int = 16,
+) -> OpCase:
+    """rope_attention (head_dim 16, GQA 2) with or without QK-norm, KV cache, padding, blocks."""
+    attrs = {"scale": 0.25, "block_size": block, "theta": theta, "rotary_dim": rotary_dim, "eps": 1e-6}
+    floats = (0, 1, 2) + ((6, 7) if norms else ()) + ((8, 9) if cached else ())
+    return OpCase(
+        "rope_attention", bucket, _rope_attention_inputs(norms, cached, pad, block is not None), attrs, floats
+    )
 
 
 def _rope_attention_inputs(norms: bool, cached: bool, pad: int = 0, block: bool = False):
