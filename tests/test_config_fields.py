@@ -100,3 +100,54 @@ def test_writers_produce_the_upstream_layouts(written):
     moe = json.loads((written["llada_moe"] / "config.json").read_text())
     assert moe["moe_layer_freq"] == [1] * moe["num_hidden_layers"] and moe["shared_expert_intermediate_size"] is None
     assert json.loads((written["llada2"] / "config.json").read_text())["use_bias"] is False
+
+
+def test_end_of_turn_tokens_come_from_the_family(written):
+    """`<|eot_id|>` ends a LLaDA generation; it is not a turn marker of the Ling chat format."""
+    import dinfer_rt
+
+    eot = 4  # id of <|eot_id|> in the test tokenizer
+    assert eot in dinfer_rt.load_model(written["llada"], backend="cpu").eos_ids
+    assert eot not in dinfer_rt.load_model(written["llada2"], backend="cpu").eos_ids
+
+
+def test_disable_passes_is_a_parameter_not_an_env_channel(written, monkeypatch):
+    import os
+
+    import dinfer_rt
+
+    monkeypatch.delenv("DINFER_DISABLE_PASSES", raising=False)
+    plain = dinfer_rt.load_model(written["llada"], backend="cpu", disable_passes=["add_rms_norm", "merge_gate_up"])
+    assert "add_rms_norm" not in plain.pass_counts and "merge_gate_up" not in plain.pass_counts
+    assert "DINFER_DISABLE_PASSES" not in os.environ
+    with pytest.raises(Exception, match=r"disable_passes names unknown pass\(es\) \['nope'\]"):
+        dinfer_rt.load_model(written["llada"], backend="cpu", disable_passes=["nope"])
+
+
+def test_auto_dtype_is_the_checkpoint_dtype_on_a_device_and_fp32_on_cpu(written):
+    import torch
+
+    from dinfer_rt.backends.cpu import CpuBackend
+    from dinfer_rt.loader import auto_dtype
+    from dinfer_rt.platform import Capabilities
+
+    spec = parse_spec(_config_dict_copy(written["llada"], torch_dtype="bfloat16"))
+
+    class Device(CpuBackend):
+        device_type = "cuda"
+
+        def capabilities(self):
+            return Capabilities(dtypes=(torch.float32, torch.bfloat16))
+
+    assert auto_dtype(spec, Device()) == torch.bfloat16
+    assert auto_dtype(spec, CpuBackend()) == torch.float32
+
+
+def _config_dict_copy(path, **changes):
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    dst = Path(tempfile.mkdtemp()) / "m"
+    shutil.copytree(path, dst)
+    return _config(dst, **changes)

@@ -82,3 +82,9 @@ def test_embedded_model_greedy_output_equals_cpu(monkeypatch):
 def test_unsupported_dtype_is_refused(ckpt_dir):
     with pytest.raises(BackendError, match="backend onnxruntime does not support dtype torch.bfloat16"):
         dinfer_rt.load_model(ckpt_dir("llada"), backend="onnxruntime", dtype="bfloat16")
+
+
+def test_a_flavour_the_plugin_cannot_run_is_refused():
+    """The flavour named in the choice is the one probed (it used to be a fresh default instance)."""
+    with pytest.raises(BackendError, match="unavailable: execution provider NoSuchProvider not in this build"):
+        plugins.select_backend("onnxruntime:NoSuchProvider")
