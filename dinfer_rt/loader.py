@@ -25,15 +25,21 @@ def default_model_path() -> Path:
 
 
 def check_special_tokens(model_dir: Path, spec, tok: Tokenizer) -> None:
-    """config.json's mask id must be the token tokenizer_config.json calls ``mask_token``: the
-    scheduler writes that id into every undecided slot, so a contradiction would silently
-    decode nonsense. (EOS may legitimately differ: both ids end a generation.)"""
-    named = tok.special_id("mask_token")
-    if spec.mask_id is not None and named is not None and named != spec.mask_id:
-        raise ConfigError(
-            f"{model_dir / 'config.json'}: field 'mask_token_id' = {spec.mask_id} contradicts "
-            f"{model_dir / 'tokenizer_config.json'}: mask_token {tok.config.get('mask_token')!r} is id {named}"
-        )
+    """config.json's mask, pad and BOS ids must be the tokens tokenizer_config.json names: the
+    scheduler writes the mask id into every undecided slot and the pad id into padding, so a
+    contradiction would silently decode nonsense. (EOS may legitimately differ: instruct models
+    name the end-of-turn token there, and every such id ends a generation.)"""
+    for field, key, ours in (
+        ("mask_token_id", "mask_token", spec.mask_id),
+        ("pad_token_id", "pad_token", spec.pad_id),
+        ("bos_token_id", "bos_token", spec.bos_id),
+    ):
+        named = tok.special_id(key)
+        if ours is not None and named is not None and named != ours:
+            raise ConfigError(
+                f"{model_dir / 'config.json'}: field {field!r} = {ours} contradicts "
+                f"{model_dir / 'tokenizer_config.json'}: {key} {tok.config.get(key)!r} is id {named}"
+            )
 
 
 def auto_dtype(spec, backend) -> torch.dtype:

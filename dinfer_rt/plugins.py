@@ -104,16 +104,32 @@ class Registry:
             results = []
         finally:
             _results.reset(token)
+        self._warn_new()
+        by_id = {id(r): plugin for plugin, r in seen}
+        return [(by_id.get(id(r), "(hook wrapper)"), r) for r in results]
+
+    def typed(self, hook: str, kind: type, **kwargs) -> list[tuple[str, object]]:
+        """:meth:`call`, keeping only results of type ``kind``; any other is that plugin's fault."""
+        kept = []
+        for plugin, result in self.call(hook, **kwargs):
+            if isinstance(result, kind):
+                kept.append((plugin, result))
+            else:
+                why = f"returned {type(result).__name__} {result!r:.60}, expected a {kind.__name__}"
+                self._fault(PluginFailure(plugin, why, hook))
+        self._warn_new()
+        return kept
+
+    def _warn_new(self) -> None:
+        """One warning per failure, the first time it is recorded."""
         for failure in self._unwarned:
             warnings.warn(
                 f"dinfer_rt plugin {failure.name!r} failed in {failure.hook}: {failure.reason}; "
                 "its contribution is dropped",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         self._unwarned.clear()
-        by_id = {id(r): plugin for plugin, r in seen}
-        return [(by_id.get(id(r), "(hook wrapper)"), r) for r in results]
 
     def _fault(self, failure: PluginFailure) -> None:
         """Record a failure once (a hook called again with the same fault warns once)."""
@@ -211,7 +227,7 @@ def registry() -> Registry:
             reg.failures.append(
                 PluginFailure(ep.name, f"plugin {ep.name!r} ({ep.value}) does not match the hooks: {e}")
             )
-    for plugin, classes in reg.call("dinfer_rt_register_backends"):
+    for plugin, classes in reg.typed("dinfer_rt_register_backends", list):
         bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, Backend))]
         if bad:
             reg.failures.append(
@@ -229,26 +245,26 @@ def contributions(backend: Backend) -> Contributions:
     selection). Results are applied in reverse call order, so the first-called plugin wins."""
     reg = registry()
     who = {"backend_name": backend.name}
-    kernels = [(p, dict(k)) for p, k in reg.call("dinfer_rt_register_kernels", **who, arch=backend.arch)]
-    passes = [p for _, ps in reg.call("dinfer_rt_register_passes", **who) for p in ps]
+    kernels = [(p, dict(k)) for p, k in reg.typed("dinfer_rt_register_kernels", dict, **who, arch=backend.arch)]
+    passes = [p for _, ps in reg.typed("dinfer_rt_register_passes", list, **who) for p in ps]
     launch: dict[str, dict] = {}
-    for _, table in reversed(reg.call("dinfer_rt_launch_config", **who, arch=backend.arch)):
+    for _, table in reversed(reg.typed("dinfer_rt_launch_config", dict, **who, arch=backend.arch)):
         for kernel, params in table.items():
-            launch[kernel] = {**launch.get(kernel, {}), **params}
+            launch[kernel] = {**launch.get(kernel, {}), **dict(params)}
     return Contributions(tuple(reversed(kernels)), tuple(passes), launch)
 
 
 def compile_targets() -> dict[str, Callable[[], list[dict]]]:
     """Every ahead-of-time kernel target the installed backends contribute."""
     targets: dict[str, Callable] = {}
-    for _, contributed in reversed(registry().call("dinfer_rt_compile_targets")):
+    for _, contributed in reversed(registry().typed("dinfer_rt_compile_targets", dict)):
         targets.update(contributed)
     return targets
 
 
 def env_info() -> dict[str, str]:
     info: dict[str, str] = {}
-    for _, contributed in reversed(registry().call("dinfer_rt_env_info")):
+    for _, contributed in reversed(registry().typed("dinfer_rt_env_info", dict)):
         info.update({str(k): str(v) for k, v in contributed.items()})
     return info
 

@@ -288,7 +288,7 @@ def parse_spec(model_dir: Path, cfg: dict[str, Any] | None = None) -> ModelSpec:
     else:
         _no_unimplemented(f)
         hidden, heads = f.need("hidden_size"), f.need("num_attention_heads")
-        if "head_dim" not in cfg and hidden < heads:
+        if cfg.get("head_dim") is None and hidden < heads:
             raise ConfigError(
                 f"{path}: field 'hidden_size' ({hidden}) is smaller than 'num_attention_heads' ({heads}): "
                 "no head_dim is given and hidden_size // heads would be 0"
@@ -307,7 +307,7 @@ def parse_spec(model_dir: Path, cfg: dict[str, Any] | None = None) -> ModelSpec:
             eps=f.upstream("rms_norm_eps", float),
             rope_theta=f.upstream("rope_theta", float),
             rotary_dim=_rotary_dim(
-                f, head_dim, "head_dim" if "head_dim" in cfg else "hidden_size // num_attention_heads"
+                f, head_dim, "head_dim" if cfg.get("head_dim") is not None else "hidden_size // num_attention_heads"
             ),
             tie_embeddings=f.upstream("tie_word_embeddings", bool),
             max_length=f.upstream("max_position_embeddings", int),

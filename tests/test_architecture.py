@@ -71,6 +71,16 @@ def test_faults_in_every_contribution_hook_are_isolated_and_reported(monkeypatch
     assert any(line.startswith("cpu ") and " yes " in line for line in out.splitlines())
 
 
+def test_wrongly_typed_hook_results_are_the_plugins_fault(monkeypatch):
+    _with(monkeypatch, "tests.fake_plugins.bad_results")
+    with pytest.warns(RuntimeWarning, match="bad_results.*returned list"):
+        backend = plugins.select_backend("cpu")
+    assert backend.contributions.kernels == () and backend.contributions.launch == {}
+    reasons = {f.hook: f.reason for f in plugins.registry().failures if f.name == "bad_results"}
+    assert set(reasons) == {"dinfer_rt_register_backends", "dinfer_rt_register_kernels", "dinfer_rt_launch_config"}
+    assert "returned int 5, expected a dict" in reasons["dinfer_rt_launch_config"]
+
+
 def test_selection_probes_the_configured_instance(monkeypatch):
     """The flavour named in the choice is the one whose availability is checked."""
     _with(monkeypatch, "tests.fake_plugins.good")

@@ -132,50 +132,32 @@ def _plugins_missing(env: Env) -> None:
     _load(env.ckpt)
 
 
+def _cfg(id: str, message: str, **changes) -> Case:
+    """A case that edits config.json fields and loads the model."""
+    return Case(id, lambda env: _load(env.config(**changes)), message)
+
+
 CASES = [
     # ------------------------------------------------------------------ config.json
-    Case("zero-layers", lambda env: _load(env.config(n_layers=0)), "field 'n_layers' must be > 0, found 0"),
-    Case("negative-heads", lambda env: _load(env.config(n_heads=-2)), "field 'n_heads' must be > 0, found -2"),
-    Case("zero-hidden", lambda env: _load(env.config(d_model=0)), "field 'd_model' must be > 0, found 0"),
-    Case("zero-mlp", lambda env: _load(env.config(mlp_hidden_size=0)), "field 'mlp_hidden_size' must be > 0"),
-    Case(
-        "zero-max-length",
-        lambda env: _load(env.config(max_sequence_length=0)),
-        "field 'max_sequence_length' must be > 0, found 0",
-    ),
-    Case("zero-eps", lambda env: _load(env.config(rms_norm_eps=0.0)), "field 'rms_norm_eps' must be > 0, found 0.0"),
-    Case("nan-eps", lambda env: _load(env.config(rms_norm_eps=math.nan)), "field 'rms_norm_eps' must be a finite"),
-    Case(
-        "negative-rope-theta",
-        lambda env: _load(env.config(rope_theta=-1.0)),
-        "field 'rope_theta' must be > 0, found -1.0",
-    ),
-    Case(
-        "heads-not-multiple-of-kv",
-        lambda env: _load(env.config(n_kv_heads=5)),
-        "field 'n_heads' (4) is not a multiple of 'n_kv_heads' (5)",
-    ),
-    Case(
+    _cfg("zero-layers", "field 'n_layers' must be > 0, found 0", n_layers=0),
+    _cfg("negative-heads", "field 'n_heads' must be > 0, found -2", n_heads=-2),
+    _cfg("zero-hidden", "field 'd_model' must be > 0, found 0", d_model=0),
+    _cfg("zero-mlp", "field 'mlp_hidden_size' must be > 0", mlp_hidden_size=0),
+    _cfg("zero-max-length", "field 'max_sequence_length' must be > 0, found 0", max_sequence_length=0),
+    _cfg("zero-eps", "field 'rms_norm_eps' must be > 0, found 0.0", rms_norm_eps=0.0),
+    _cfg("nan-eps", "field 'rms_norm_eps' must be a finite", rms_norm_eps=math.nan),
+    _cfg("negative-rope-theta", "field 'rope_theta' must be > 0, found -1.0", rope_theta=-1.0),
+    _cfg("heads-not-multiple-of-kv", "field 'n_heads' (4) is not a multiple of 'n_kv_heads' (5)", n_kv_heads=5),
+    _cfg(
         "mask-id-outside-vocab",
-        lambda env: _load(env.config(mask_token_id=999)),
         "field 'mask_token_id' = 999 is outside the vocabulary (embedding_size 61)",
+        mask_token_id=999,
     ),
-    Case(
-        "eos-id-outside-vocab",
-        lambda env: _load(env.config(eos_token_id=[1, 70])),
-        "field 'eos_token_id' = 70 is outside the vocabulary",
-    ),
-    Case("negative-pad-id", lambda env: _load(env.config(pad_token_id=-1)), "field 'pad_token_id' must be >= 0"),
-    Case(
-        "bool-where-int",
-        lambda env: _load(env.config(n_layers=True)),
-        "field 'n_layers' should be int, found True",
-    ),
-    Case(
-        "mask-id-contradicts-tokenizer",
-        lambda env: _load(env.config(mask_token_id=4)),
-        "field 'mask_token_id' = 4 contradicts",
-    ),
+    _cfg("eos-id-outside-vocab", "field 'eos_token_id' = 70 is outside the vocabulary", eos_token_id=[1, 70]),
+    _cfg("negative-pad-id", "field 'pad_token_id' must be >= 0", pad_token_id=-1),
+    _cfg("bool-where-int", "field 'n_layers' should be int, found True", n_layers=True),
+    _cfg("mask-id-contradicts-tokenizer", "field 'mask_token_id' = 4 contradicts", mask_token_id=4),
+    _cfg("pad-id-contradicts-tokenizer", "field 'pad_token_id' = 3 contradicts", pad_token_id=3),
     Case("model-path-is-a-file", lambda env: _load(env.ckpt / "config.json"), "is a file; the model path must be"),
     Case("unreadable-config", _unreadable_config, "config.json: cannot read (Permission denied)"),
     # ------------------------------------------------------------------ weights
