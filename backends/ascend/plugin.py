@@ -83,7 +83,8 @@ class AscendBackend(Backend):
 
     def kernels(self):
         """torch_npu fused operators for the ops that have one (imported here, after selection,
-        once: importing registers the ``npu`` device), plus the triton-ascend confidence kernel."""
+        once: importing registers the ``npu`` device), plus the shared Triton confidence kernel
+        under Ascend's launch rules (``launch.py``)."""
         import torch_npu
 
         from dinfer_rt.backends.ascend.ops import make_kernels

@@ -87,7 +87,7 @@ def dinfer_rt_register_passes(backend_name):
         return None
     from dinfer_rt.passes import Pass
 
-    return [Pass("count_attention", "schedule", lambda graph, ctx: graph.op_counts().get("attention", 0))]
+    return [Pass("count_attention", "reorder", lambda graph, ctx: graph.op_counts().get("attention", 0))]
 
 
 @hookimpl
