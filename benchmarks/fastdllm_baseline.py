@@ -69,8 +69,11 @@ class PlainLLaDA:
 
 
 @torch.no_grad()
-def generate(model: PlainLLaDA, prompt: torch.Tensor, gen_length: int, block_length: int, tau: float = 0.9):
-    """Returns (tokens [B, gen_length], forwards). Prompts in one batch share a length (no padding)."""
+def generate(
+    model: PlainLLaDA, prompt: torch.Tensor, gen_length: int, block_length: int, tau: float = 0.9, cache: bool = True
+):
+    """Returns (tokens [B, gen_length], forwards). Prompts in one batch share a length (no padding).
+    ``cache=False``: every step is a full forward (Fast-dLLM's parallel decoding without cache)."""
     mask_id = model.cfg["mask_token_id"]
     b, p = prompt.shape
     x = torch.cat((prompt, torch.full((b, gen_length), mask_id)), 1)
@@ -79,12 +82,12 @@ def generate(model: PlainLLaDA, prompt: torch.Tensor, gen_length: int, block_len
         e = s + block_length
         first = True
         while (x[:, s:e] == mask_id).any():
-            if first:
-                logits, cache = model.forward(x, torch.arange(x.shape[1]))
+            if first or not cache:
+                logits, past = model.forward(x, torch.arange(x.shape[1]))
                 logits = logits[:, s:e]
                 first = False
             else:
-                logits, _ = model.forward(x[:, s:e], torch.arange(s, e), past=cache, replace=(s, e))
+                logits, _ = model.forward(x[:, s:e], torch.arange(s, e), past=past, replace=(s, e))
             nfe += 1
             logits[..., mask_id] = float("-inf")
             probs = logits.double().softmax(-1)

@@ -1,9 +1,10 @@
 """Speed/accuracy sweep of the shared scheduler on the embedded model's held-out set.
 
-Runs rule x cache x block length through dinfer-rt, plus the Fast-dLLM-style baseline
-(benchmarks/fastdllm_baseline.py: plain torch, dual cache, threshold 0.9) on the same items
-in the same run, and writes ``results.json``, ``results.md`` (a table) and ``sweep.png``
-(accuracy against tokens per forward and against tokens/s) to ``--out``.
+Runs rule x cache x block length through dinfer-rt at batch 50, a subset at batch 1, and the
+Fast-dLLM-style baseline (benchmarks/fastdllm_baseline.py: plain torch, threshold 0.9, with and
+without its dual cache) at batch 1 and 50 on the same items in the same run. Writes
+``results.json``, ``results.md`` (the table, then the issue-#19 targets computed from it) and
+``sweep.png`` (accuracy against tokens per forward and against tokens/s) to ``--out``.
 
     python benchmarks/sweep.py --limit 200 --out bench-out
 """
@@ -31,9 +32,7 @@ from dinfer_rt.loader import EMBEDDED_MODEL  # noqa: E402
 from dinfer_rt.sampling import SamplingParams  # noqa: E402
 
 CONFIGS = [
-    dict(strategy="low_confidence", cache="none", block_length=40),
     dict(strategy="low_confidence", cache="none", block_length=8),
-    dict(strategy="random", cache="none", block_length=40),
     dict(strategy="threshold", cache="none", block_length=40, threshold=0.9),
     dict(strategy="threshold", cache="none", block_length=40, threshold=0.9, sync_every=4),
     dict(strategy="threshold", cache="none", block_length=40, threshold=0.7),
@@ -42,6 +41,10 @@ CONFIGS = [
     dict(strategy="threshold", cache="prefix", block_length=8, threshold=0.9),
     dict(strategy="threshold", cache="dual", block_length=8, threshold=0.9),
     dict(strategy="threshold", cache="vicinity", block_length=8, threshold=0.9),
+    dict(strategy="threshold", cache="adaptive", block_length=8, threshold=0.9),
+    dict(strategy="threshold", cache="adaptive", block_length=8, threshold=0.7),
+    dict(strategy="threshold", cache="adaptive", block_length=8, threshold=0.9, refresh_bound=4),
+    dict(strategy="threshold", cache="adaptive", block_length=8, threshold=0.9, refresh_window=16),
     dict(strategy="factor", cache="none", block_length=40, factor=1.0),
     dict(strategy="factor", cache="none", block_length=40, factor=2.0),
     dict(strategy="hierarchical", cache="none", block_length=40, threshold=0.9, low_threshold=0.6),
@@ -53,12 +56,25 @@ CONFIGS = [
 ]
 
 
+# The subset also run at batch 1 (one prompt at a time: the peers' only mode).
+BATCH1 = [
+    dict(strategy="threshold", cache="none", block_length=8, threshold=0.9),
+    dict(strategy="threshold", cache="none", block_length=40, threshold=0.9),
+    dict(strategy="threshold", cache="none", block_length=40, threshold=0.7),
+    dict(strategy="credit", cache="none", block_length=40, threshold=0.9),
+    dict(strategy="threshold", cache="dual", block_length=8, threshold=0.9),
+    dict(strategy="threshold", cache="vicinity", block_length=8, threshold=0.9),
+    dict(strategy="threshold", cache="adaptive", block_length=8, threshold=0.9),
+    dict(strategy="threshold", cache="adaptive", block_length=8, threshold=0.7),
+]
+
+
 def label(cfg: dict) -> str:
     extra = ",".join(f"{k}={v}" for k, v in cfg.items() if k not in ("strategy", "cache", "block_length"))
     return f"{cfg['strategy']}/{cfg['cache']}/b{cfg['block_length']}" + (f" ({extra})" if extra else "")
 
 
-def run_baseline(model_dir: Path, items: list, batch: int, block_length: int, repeats: int) -> dict:
+def run_baseline(model_dir: Path, items: list, batch: int, block_length: int, repeats: int, cache: bool) -> dict:
     from dinfer_rt.demo.train import BOS_ID, VOCAB
 
     inv = {i: c for c, i in VOCAB.items()}
@@ -70,7 +86,7 @@ def run_baseline(model_dir: Path, items: list, batch: int, block_length: int, re
         for i in range(0, len(items), batch):
             chunk = items[i : i + batch]
             prompt = torch.tensor([[BOS_ID] + [VOCAB[c] for c in it.prompt] for it in chunk])
-            out, nfe = generate(plain, prompt, 40, block_length, 0.9)
+            out, nfe = generate(plain, prompt, 40, block_length, 0.9, cache=cache)
             forwards += nfe * len(chunk)
             tokens += out.numel()
             for it, row in zip(chunk, out.tolist()):
@@ -79,7 +95,11 @@ def run_baseline(model_dir: Path, items: list, batch: int, block_length: int, re
         walls.append(time.perf_counter() - start)
     wall = statistics.median(walls)
     return {
-        "config": f"Fast-dLLM-style baseline (plain torch, dual cache, threshold 0.9, b{block_length})",
+        "config": f"Fast-dLLM-style baseline ({'dual' if cache else 'no'} cache, threshold 0.9, b{block_length})",
+        "system": "baseline",
+        "cache": "dual" if cache else "none",
+        "block_length": block_length,
+        "batch": batch,
         "accuracy": correct / len(items),
         "tpf": tokens / forwards,
         "tokens_per_s": tokens / wall,
@@ -88,33 +108,84 @@ def run_baseline(model_dir: Path, items: list, batch: int, block_length: int, re
     }
 
 
+def targets(rows: list[dict]) -> list[str]:
+    """The issue-#19 targets, computed from this run's rows (reported whatever the outcome)."""
+
+    def find(**kw):
+        return [r for r in rows if all(r.get(k) == v for k, v in kw.items())]
+
+    out = ["| target | measured | met |", "|---|---|---|"]
+    for b in (8, 40):
+        base = find(system="baseline", cache="none", block_length=b, batch=1)
+        if not base:
+            continue
+        base_tps = base[0]["tokens_per_s"]
+        for batch, want in ((1, 3.0), (50, 6.0)):
+            ours = find(system="dinfer-rt", block_length=b, batch=batch)
+            if not ours:
+                continue
+            best_acc = max(r["accuracy"] for r in ours)
+            good = [r for r in ours if r["accuracy"] >= best_acc - 0.01]
+            top = max(good, key=lambda r: r["tokens_per_s"])
+            ratio = top["tokens_per_s"] / base_tps
+            out.append(
+                f"| b{b}, dinfer-rt batch {batch} vs baseline (no cache, thr 0.9) batch 1: >= {want:.0f}x "
+                f"| {ratio:.2f}x ({top['config']}, acc {top['accuracy']:.3f}) | {'yes' if ratio >= want else 'no'} |"
+            )
+    for batch in (1, 50):
+        plain = find(system="dinfer-rt", config="threshold/none/b8 (threshold=0.9)", batch=batch)
+        cached = find(system="dinfer-rt", config="threshold/adaptive/b8 (threshold=0.9)", batch=batch)
+        if plain and cached:
+            p, c = plain[0], cached[0]
+            ratio, drop = c["tokens_per_s"] / p["tokens_per_s"], p["accuracy"] - c["accuracy"]
+            met = ratio >= 1.5 and drop <= 0.01
+            out.append(
+                f"| adaptive cache vs no cache (thr 0.9, b8), batch {batch}: within 1 point at >= 1.5x "
+                f"| {ratio:.2f}x, accuracy {c['accuracy']:.3f} vs {p['accuracy']:.3f} | {'yes' if met else 'no'} |"
+            )
+    return out
+
+
+def run_configs(llm: LLM, configs: list[dict], batch: int, limit: int, repeats: int) -> list[dict]:
+    rows = []
+    for cfg in tqdm(configs, desc=f"sweep, batch {batch}"):
+        params = SamplingParams(batch_size=batch, early_stop=False, **cfg)
+        runs = [evaluate(llm, params, limit=limit) for _ in range(repeats)]
+        r = sorted(runs, key=lambda x: x.wall_s)[len(runs) // 2]  # the median-time run (accuracy is deterministic)
+        rows.append({"config": label(cfg), "system": "dinfer-rt", "batch": batch, **cfg, **r.as_dict()})
+        tqdm.write(f"{label(cfg):60s} b{batch} acc {r.accuracy:.3f} tpf {r.tpf:.2f} {r.tokens_per_s:.0f} tok/s")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=EMBEDDED_MODEL)
-    ap.add_argument("--limit", type=int, default=200)
+    ap.add_argument("--limit", type=int, default=200, help="held-out items of the batched runs")
+    ap.add_argument("--limit-batch1", type=int, default=100, help="held-out items of the batch-1 runs")
     ap.add_argument("--batch-size", type=int, default=50)
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--repeats", type=int, default=3, help="runs per configuration; wall time is their median")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     llm = LLM(args.model)
-    rows = []
-    for cfg in tqdm(CONFIGS, desc="sweep"):
-        params = SamplingParams(batch_size=args.batch_size, early_stop=False, **cfg)
-        runs = [evaluate(llm, params, limit=args.limit) for _ in range(args.repeats)]
-        r = sorted(runs, key=lambda x: x.wall_s)[len(runs) // 2]  # the median-time run (accuracy is deterministic)
-        rows.append({"config": label(cfg), **r.as_dict()})
-        tqdm.write(f"{rows[-1]['config']:60s} acc {r.accuracy:.3f}  tpf {r.tpf:.2f}  {r.tokens_per_s:.0f} tok/s")
-    items = task.heldout(args.limit)
+    rows = run_configs(llm, CONFIGS, args.batch_size, args.limit, args.repeats)
+    rows += run_configs(llm, BATCH1, 1, args.limit_batch1, args.repeats)
     for b in (8, 40):
-        rows.append(run_baseline(args.model, items, args.batch_size, b, args.repeats))
+        rows.append(run_baseline(args.model, task.heldout(args.limit_batch1), 1, b, args.repeats, cache=False))
+        rows.append(run_baseline(args.model, task.heldout(args.limit), args.batch_size, b, args.repeats, cache=True))
+    rows.append(run_baseline(args.model, task.heldout(args.limit_batch1), 1, 8, args.repeats, cache=True))
     meta = {"torch_threads": torch.get_num_threads(), "repeats": args.repeats, "limit": args.limit}
     (args.out / "results.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    lines = ["| configuration | accuracy | tokens/forward | tokens/s | wall s |", "|---|---|---|---|---|"]
+    lines = [
+        "| configuration | batch | items | accuracy | tokens/forward | tokens/s | wall s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     lines += [
-        f"| {r['config']} | {r['accuracy']:.3f} | {r['tpf']:.2f} | {r['tokens_per_s']:.0f} | {r['wall_s']:.1f} |"
+        f"| {r['config']} | {r['batch']} | {r['n']} | {r['accuracy']:.3f} | {r['tpf']:.2f} "
+        f"| {r['tokens_per_s']:.0f} | {r['wall_s']:.1f} |"
         for r in rows
     ]
+    lines += ["", *targets(rows)]
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
@@ -128,9 +199,11 @@ def main() -> None:
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, key, name in ((axes[0], "tpf", "tokens per forward"), (axes[1], "tokens_per_s", "tokens / s (CPU)")):
         for r in rows:
-            base = r["config"].startswith("Fast-dLLM")
-            ax.scatter(r[key], r["accuracy"], marker="x" if base else "o", color="red" if base else None)
-            ax.annotate(r["config"].split(" (")[0], (r[key], r["accuracy"]), fontsize=6)
+            base = r["system"] == "baseline"
+            one = r["batch"] == 1
+            marker = "x" if base else ("s" if one else "o")
+            ax.scatter(r[key], r["accuracy"], marker=marker, color="red" if base else None)
+            ax.annotate(r["config"].split(" (")[0] + f" bs{r['batch']}", (r[key], r["accuracy"]), fontsize=5)
         ax.set_xlabel(name)
         ax.set_ylabel("exact-match accuracy")
         ax.grid(alpha=0.3)

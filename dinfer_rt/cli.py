@@ -55,6 +55,18 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, default=d.threshold, help="confidence threshold (threshold rules)")
     p.add_argument("--low-threshold", type=float, default=d.low_threshold, help="hierarchical: per-run threshold")
     p.add_argument("--factor", type=float, default=d.factor, help="factor rule's f")
+    p.add_argument(
+        "--refresh-bound",
+        type=int,
+        default=d.refresh_bound,
+        help="adaptive cache: refresh all K/V once a row committed this many tokens since the last refresh",
+    )
+    p.add_argument(
+        "--refresh-window",
+        type=int,
+        default=d.refresh_window,
+        help="adaptive cache: positions before the block recomputed each step (default: the whole prefix)",
+    )
     p.add_argument("--gen-length", type=int, default=d.gen_length)
     p.add_argument("--block-length", type=int, default=d.block_length)
     p.add_argument("--steps", type=int, default=None, help="step budget of scheduled rules (default: gen-length)")
@@ -70,7 +82,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 # SamplingParams fields whose CLI flag has the same name (``--gen-length`` -> gen_length)
 _SAME_NAMED = (
     "gen_length block_length steps strategy threshold low_threshold factor temperature cfg_scale cache "
-    "batch_size seed sync_every"
+    "batch_size seed sync_every refresh_bound refresh_window"
 ).split()
 
 

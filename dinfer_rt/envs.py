@@ -24,6 +24,8 @@ DINFER_GRAPHS = "DINFER_GRAPHS"
 """``1``: ``cuda`` (CUDA graphs) and ``ascend`` (ACL graphs) capture each forward shape and replay it."""
 DINFER_TUNING_CACHE = "DINFER_TUNING_CACHE"
 """Folder of the autotuning cache; unset means ``~/.cache/dinfer_rt/tuning``."""
+DINFER_EXECUTOR = "DINFER_EXECUTOR"
+"""``interpreted`` runs each graph step by step instead of as generated straight-line code (debugging)."""
 DINFER_MODEL = "DINFER_MODEL"
 """Default model folder for the CLI and ``LLM()``; unset means the embedded model."""
 
@@ -38,6 +40,7 @@ ALL = (
     DINFER_AUTOTUNE,
     DINFER_GRAPHS,
     DINFER_TUNING_CACHE,
+    DINFER_EXECUTOR,
     DINFER_MODEL,
 )
 

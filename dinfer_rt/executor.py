@@ -1,8 +1,12 @@
-"""Turn a verified graph plus a kernel table into a flat, slot-indexed program.
+"""Turn a verified graph plus a kernel table into straight-line Python: the hot path.
 
-This is the hot path every backend can reuse: no dict lookups, no plugin calls, no
-type checks per op; just ``kernel(*slots, **attrs)`` in order, with each intermediate
-released after its last use so peak memory follows the graph's liveness.
+Every backend reuses it: no dict lookups, no plugin calls, no type checks per op. The step
+list (kernel, input slots, output slots, attributes, slots last used here) is compiled once
+into the source of one function, ``s7 = k3(s2, w5, eps=c0)`` per node with a ``del`` after each
+value's last use (as torch.fx does for its graph modules), so peak memory still follows the
+graph's liveness and a forward pays one Python call per kernel and nothing else. The same
+steps can be interpreted (``mode="interpreted"``): the reference the generated code is tested
+against, and a fallback for debugging (``DINFER_EXECUTOR=interpreted``).
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ from typing import Any
 
 import torch
 
+from dinfer_rt import envs
 from dinfer_rt.errors import BackendError, DinferError
 from dinfer_rt.ir import Graph
+
+MODES = ("generated", "interpreted")
 
 Kernel = Callable[..., Any]
 
@@ -39,8 +46,12 @@ class Executable:
         weights: Mapping[str, torch.Tensor],
         backend: str = "?",
         sources: Mapping[str, str] | None = None,
+        mode: str | None = None,
     ) -> None:
-        self.graph, self.backend = graph, backend
+        mode = mode or envs.get(envs.DINFER_EXECUTOR) or "generated"
+        if mode not in MODES:
+            raise DinferError(f"executor mode {mode!r} unknown (DINFER_EXECUTOR): use one of {', '.join(MODES)}")
+        self.graph, self.backend, self.mode = graph, backend, mode
         sources = sources or {}
         # Ops served by a declared fallback rather than a native kernel, counted per op.
         self.fallbacks = Counter(n.op for n in graph.nodes if sources.get(n.op, "native").startswith("fallback"))
@@ -80,6 +91,46 @@ class Executable:
         self.n_slots = len(slot)
         self.base = [base.get(i) for i in range(self.n_slots)]
         self.output_slots = [(name, slot_of(v)) for name, v in graph.outputs.items()]
+        self.input_names = [name for name, _, _ in self.input_slots]
+        self.output_names = [name for name, _ in self.output_slots]
+        self.source, self._program = self._generate()
+        self.run = self._program if mode == "generated" else self._interpret
+
+    def _generate(self) -> tuple[str, Callable[..., tuple]]:
+        """The straight-line function for the steps: its source and the compiled function."""
+        ns: dict[str, Any] = {}
+        consts: dict[int, str] = {}
+
+        def const(value: Any) -> str:
+            if value is None or isinstance(value, (bool, int, str)):
+                return repr(value)
+            name = consts.setdefault(id(value), f"c{len(consts)}")
+            ns[name] = value
+            return name
+
+        def val(i: int) -> str:
+            if i < 0:
+                return "None"
+            if self.base[i] is not None:
+                ns[f"w{i}"] = self.base[i]  # a weight: a constant of the function
+                return f"w{i}"
+            return f"s{i}"
+
+        args = ", ".join(f"s{s}" for _, _, s in self.input_slots)
+        lines = [f"def program({args}):"]
+        for n, st in enumerate(self.steps):
+            ns[f"k{n}"] = st.kernel
+            call = ", ".join([val(i) for i in st.inputs] + [f"{k}={const(v)}" for k, v in st.attrs.items()])
+            outs = ", ".join(f"s{o}" for o in st.outputs)
+            lines.append(f"    {outs} = k{n}({call})")
+            if st.free:
+                lines.append("    del " + ", ".join(f"s{f}" for f in st.free))
+        rets = ", ".join(val(s) for _, s in self.output_slots)
+        lines.append(f"    return ({rets},)")
+        source = "\n".join(lines) + "\n"
+        code = compile(source, f"<dinfer-rt {self.backend} {self.graph.name}>", "exec")
+        exec(code, ns)  # noqa: S102 (our own generated source, built from the graph above)
+        return source, ns["program"]
 
     @staticmethod
     def annotate(graph: Graph, sources: Mapping[str, str], backend: str) -> str:
@@ -109,9 +160,13 @@ class Executable:
 
     def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         self.check_inputs(inputs)
+        return dict(zip(self.output_names, self.run(*[inputs[name] for name in self.input_names])))
+
+    def _interpret(self, *args: torch.Tensor) -> tuple:
+        """The steps run one by one from the slot list: what the generated code must equal."""
         env: list[Any] = list(self.base)
-        for name, _, s in self.input_slots:
-            env[s] = inputs[name]
+        for (_, _, s), t in zip(self.input_slots, args):
+            env[s] = t
         for st in self.steps:
             result = st.kernel(*(None if i < 0 else env[i] for i in st.inputs), **st.attrs)
             if len(st.outputs) == 1:
@@ -121,4 +176,4 @@ class Executable:
                     env[s] = r
             for s in st.free:
                 env[s] = None
-        return {name: env[s] for name, s in self.output_slots}
+        return tuple(env[s] for _, s in self.output_slots)

@@ -11,6 +11,11 @@ Cache policies (``docs/decoding.md``):
   dual      at block start a full forward fills the cache; later steps compute [s, e)
   vicinity  like dual, but later steps recompute a window [s - before, e + after), and the
             first ``vicinity_warmup`` steps of a request are full forwards
+  adaptive  caches the masked suffix only: later steps compute the block and the
+            ``refresh_window`` positions before it (None: the whole prefix, prompt included), and
+            a step refreshes every position as soon as some row has committed ``refresh_bound``
+            tokens since the last refresh (0: every step, i.e. no-cache decoding). Staleness of
+            the cached positions is bounded by what was committed, not by time.
 On a bidirectional model the cached K/V outside the computed range go stale as tokens
 are committed (the approximation Fast-dLLM names); the benchmark measures its accuracy cost.
 
@@ -125,6 +130,7 @@ def generate_batch(model: Model, prompts: list[list[int]], params: SamplingParam
                 commit &= masked
                 x[:, s:e] = torch.where(commit, x0, x[:, s:e])
             committed += commit.sum(-1)
+            forward.note_commits(commit)
             lo = max(s, p_len)  # a block-causal first block may start inside the prompt
             steps_view = commit_step[:, lo - p_len : e - p_len]
             steps_view.copy_(torch.where(commit[:, lo - s :], forward.nfe - 1, steps_view))
@@ -149,6 +155,8 @@ class _Forwarder:
         self.block_size = params.block_length if model.spec.block_causal else None
         self.cache = model.new_cache(batch, n) if params.cache != "none" else None
         self.prev_start: int | None = None
+        # adaptive cache: tokens each row committed since the last full refresh
+        self.pending = torch.zeros(batch, dtype=torch.long) if params.cache == "adaptive" else None
         self.use_confidence = (
             params.confidence_head
             and params.strategy in strategies.STATS_ONLY
@@ -163,6 +171,11 @@ class _Forwarder:
         self.device_rule = rules.get(params.strategy) if self.commit is not None else None
         if self.device_rule == "threshold":
             self.commit = functools.partial(self.commit, threshold=params.threshold)
+
+    def note_commits(self, commit: torch.Tensor) -> None:
+        """The scheduler's commits of the step just run (the adaptive policy counts them)."""
+        if self.pending is not None:
+            self.pending += commit.sum(-1).cpu()
 
     def __call__(self, x: torch.Tensor, s: int, e: int, step: int):
         """The block's logits [B, e - s, V], or with the confidence head (argmax, probability) [B, e - s]."""
@@ -212,7 +225,16 @@ class _Forwarder:
                 return lo, e, True
             return s, e, True
         if step == 0:  # refresh: every position's K/V, and the block's first decode step
+            if self.pending is not None:
+                self.pending.zero_()
             return 0, n, True
+        if p.cache == "adaptive":
+            if int(self.pending.max()) >= p.refresh_bound:  # the cache is as stale as we allow
+                self.pending.zero_()
+                return 0, n, True
+            # The prefix listens to the block (its K/V change with every commit); the masked
+            # suffix changes little until its own block comes: cache that.
+            return (0 if p.refresh_window is None else max(0, s - p.refresh_window)), e, True
         if p.cache == "prefix":
             return s, n, True
         if p.cache == "dual":

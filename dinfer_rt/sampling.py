@@ -18,7 +18,7 @@ STRATEGIES = (
     "topk_margin",
     "entropy",
 )
-CACHES = ("none", "prefix", "dual", "vicinity")
+CACHES = ("none", "prefix", "dual", "vicinity", "adaptive")
 
 # field -> (type, lower bound, upper bound, lower bound exclusive); None: unbounded
 _FIELD_RULES: dict[str, tuple[type, float | None, float | None, bool]] = {
@@ -38,6 +38,8 @@ _FIELD_RULES: dict[str, tuple[type, float | None, float | None, bool]] = {
     "vicinity_before": (int, 0, None, False),
     "vicinity_after": (int, 0, None, False),
     "vicinity_warmup": (int, 0, None, False),
+    "refresh_bound": (int, 0, None, False),
+    "refresh_window": (int, 0, None, False),
     "confidence_head": (bool, None, None, False),
     "early_stop": (bool, None, None, False),
     "sync_every": (int, 1, None, False),
@@ -45,7 +47,7 @@ _FIELD_RULES: dict[str, tuple[type, float | None, float | None, bool]] = {
     "seed": (int, 0, 2**63 - 1, False),
     "chat": (bool, None, None, False),
 }
-_OPTIONAL = {"steps"}
+_OPTIONAL = {"steps", "refresh_window"}
 
 
 @dataclass
@@ -74,6 +76,8 @@ class SamplingParams:
     vicinity_before: int = 16
     vicinity_after: int = 16
     vicinity_warmup: int = 4
+    refresh_bound: int = 16  # adaptive cache: full refresh once a row committed this many tokens since the last
+    refresh_window: int | None = None  # adaptive cache: positions before the block recomputed each step (None: all)
     confidence_head: bool = True  # greedy threshold-style rules use the model's fused confidence head
     early_stop: bool = True
     sync_every: int = 1  # check completion every k steps (loop unrolling; wasted forwards count in NFE)

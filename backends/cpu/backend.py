@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import torch
 
 from dinfer_rt.backend import Availability, Backend, Capabilities
-from dinfer_rt.backends.cpu.kernels import lm_head_confidence_chunked
+from dinfer_rt.backends.cpu import kernels as cpu_kernels
 from dinfer_rt.executor import Kernel
 from dinfer_rt.ir import OPS
 
@@ -37,6 +37,14 @@ class CpuBackend(Backend):
 
     def kernels(self) -> Mapping[str, Kernel]:
         kernels = {name: op.reference for name, op in OPS.items()}
-        # The one fused op whose point is memory: never build [positions x vocab] probabilities.
-        kernels["lm_head_confidence"] = lm_head_confidence_chunked
+        # The fused op whose point is memory: never build [positions x vocab] probabilities.
+        kernels["lm_head_confidence"] = cpu_kernels.lm_head_confidence_chunked
+        # Same semantics, less work per forward (angles and mask once per forward, not per layer).
+        attn = cpu_kernels.AttentionKernels()  # one per compiled executable: its memos are its own
+        kernels |= {
+            "attention": attn.attention,
+            "rope_attention": attn.rope_attention,
+            "rms_norm": cpu_kernels.rms_norm,
+            "add_rms_norm": cpu_kernels.add_rms_norm,
+        }
         return kernels

@@ -94,6 +94,7 @@ def llada(
     seed: int = 0,
     shards: int = 1,
     dtype: torch.dtype = torch.float32,
+    max_len: int = 256,
 ) -> Path:
     """LLaDA-8B layout (``model.transformer.*``; ``ff_out`` both MLP down and LM head)."""
     g = torch.Generator().manual_seed(seed)
@@ -107,7 +108,7 @@ def llada(
         mlp=mlp,
         vocab=vocab,
         rope_theta=500000.0,
-        max_len=256,
+        max_len=max_len,
         mask_id=MASK,
         eos_id=EOS,
         auto_map={"AutoConfig": "configuration_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM"},
