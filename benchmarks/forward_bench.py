@@ -5,7 +5,9 @@ same (renamed) weights and an all-visible 4-D mask computes what the peers' LLaD
 compute. Both run in this process, interleaved, median of ``--repeats`` rounds:
 
 - ``full``: no cache, every position (the HF model returns logits of all N positions, as the
-  peers do each step; dinfer-rt runs its scheduler's step: the confidence head at the block);
+  peers do each step; dinfer-rt runs its scheduler's step: the confidence head at the block,
+  which includes the softmax statistics the peers compute afterwards; a second dinfer-rt row
+  returns plain logits, like for like with the HF module);
 - ``dual``: dual cache, the block's L positions against all N keys (HF: a ``DynamicCache`` of
   the N - L other positions, cropped back after each call).
 
@@ -136,6 +138,15 @@ def ours_calls(model, ids: torch.Tensor, s: int, e: int) -> dict[str, Callable]:
     return {"full": full, "dual": dual}
 
 
+def logits_calls(model, ids: torch.Tensor, s: int, e: int) -> dict[str, Callable]:
+    """Like for like with the HF module: logits of every position (full) or of the block (dual)."""
+    n = ids.shape[1]
+    cache = model.new_cache(1, n)
+    block = torch.arange(s, e)
+    model.forward(ids, cache=cache, compute=torch.arange(n))
+    return {"full": lambda: model.forward(ids), "dual": lambda: model.forward(ids, cache=cache, compute=block)}
+
+
 def timed(fn: Callable, calls: int) -> float:
     start = time.perf_counter()
     for _ in range(calls):
@@ -185,9 +196,11 @@ def bench_model(label: str, path: Path, prompt: int, gen: int, block: int, args)
     vocab = json.loads((path / "config.json").read_text())["embedding_size"]
     ids = torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(0))
     s, e = prompt, prompt + block
+    ours = load_model(path)
     systems = {
         "transformers LlamaForCausalLM (sdpa)": hf_calls(hf_llama(path), ids, s, e),
-        "dinfer-rt (generated code)": ours_calls(load_model(path), ids, s, e),
+        "dinfer-rt (generated code)": ours_calls(ours, ids, s, e),
+        "dinfer-rt logits, as HF returns them (generated code)": logits_calls(ours, ids, s, e),
     }
     with executor_mode("interpreted"):
         systems["dinfer-rt (interpreted executor)"] = ours_calls(load_model(path), ids, s, e)

@@ -59,7 +59,9 @@ def child(system: str, path: Path, gen: int, batch: int, block: int, prompt: int
         from dinfer_rt.sampling import SamplingParams
 
         model = load_model(path, check_weights=False)
-        weight_bytes = sum(t.numel() * t.element_size() for t in model.weights.values())
+        # merged weights and their row views share storage: count each storage once
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.weights.values()}
+        weight_bytes = sum(storages.values())
         params = SamplingParams(gen_length=gen, block_length=block, strategy="threshold", cache="dual")
         mask = model.mask_id
     else:

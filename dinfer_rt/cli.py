@@ -77,6 +77,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync-every", type=int, default=d.sync_every, help="check block completion every k steps")
     p.add_argument("--no-early-stop", action="store_true", help="decode every block even after EOS")
     p.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable): a row ends once one is final")
 
 
 # SamplingParams fields whose CLI flag has the same name (``--gen-length`` -> gen_length)
@@ -88,7 +89,7 @@ _SAME_NAMED = (
 
 def _params(a: argparse.Namespace) -> SamplingParams:
     fields = {name: getattr(a, name) for name in _SAME_NAMED}
-    return SamplingParams(**fields, early_stop=not a.no_early_stop, chat=not a.raw).validate()
+    return SamplingParams(**fields, early_stop=not a.no_early_stop, chat=not a.raw, stop=tuple(a.stop)).validate()
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -110,11 +111,23 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
-    from dinfer_rt.demo.bench import evaluate
     from dinfer_rt.llm import LLM
 
+    if a.data is not None:
+        from dinfer_rt.evaluation import read_items, scorer
+
+        scorer(a.metric, a.regex)  # a bad metric, pattern or data file is refused before the model loads
+        read_items(a.data, a.prompt_field, a.answer_field, a.limit)
+        if a.output is not None:
+            check_writable_dir(a.output.parent, "--output folder")
+    elif a.limit is not None and a.limit > 1000:
+        raise DinferError(f"eval --limit {a.limit}: the held-out set has 1000 items")
     llm = LLM(a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights)
-    r = evaluate(llm, _params(a), limit=a.limit, progress=not a.json)
+    if a.data is not None:
+        return _eval_data(llm, a)
+    from dinfer_rt.demo.bench import evaluate
+
+    r = evaluate(llm, _params(a), limit=a.limit or 1000, progress=not a.json)
     if a.json:
         print(json.dumps(r.as_dict()))
     else:
@@ -122,6 +135,41 @@ def cmd_eval(a: argparse.Namespace) -> int:
             f"accuracy {r.accuracy:.4f} ({r.n} items) | NFE {r.nfe} | TPF {r.tpf:.2f} | "
             f"{r.tokens_per_s:.1f} tokens/s | {r.wall_s:.1f} s"
         )
+    return 0
+
+
+def _eval_data(llm, a: argparse.Namespace) -> int:
+    from dinfer_rt.evaluation import evaluate_file
+
+    r = evaluate_file(
+        llm,
+        _params(a),
+        a.data,
+        prompt_field=a.prompt_field,
+        answer_field=a.answer_field,
+        metric=a.metric,
+        pattern=a.regex,
+        limit=a.limit,
+        output=a.output,
+        progress=not a.json,
+    )
+    if a.json:
+        print(json.dumps(r.as_dict()))
+        return 0
+    rows = [
+        ("file", str(a.data)),
+        ("metric", a.metric + (f" {a.regex!r}" if a.metric == "regex" else "")),
+        ("items", str(r.n)),
+        ("accuracy", f"{r.accuracy:.4f} ({r.correct}/{r.n})"),
+        ("95% CI (Wilson)", f"[{r.ci_low:.4f}, {r.ci_high:.4f}]"),
+        ("forwards", str(r.nfe)),
+        ("tokens/s", f"{r.tokens_per_s:.1f}"),
+        ("wall s", f"{r.wall_s:.1f}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    if a.output is not None:
+        print(f"per-item results: {a.output}")
     return 0
 
 
@@ -297,8 +345,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
-    e = sub.add_parser("eval", help="accuracy and speed on the embedded model's held-out set")
-    e.add_argument("--limit", type=_int_in(1, 1000), default=1000, help="first N held-out items (default all 1000)")
+    e = sub.add_parser("eval", help="accuracy and speed: the embedded model's held-out set, or --data FILE.jsonl")
+    e.add_argument("--limit", type=_int_in(1), default=None, help="first N items (default: all; held-out set: 1000)")
+    e.add_argument("--data", type=Path, default=None, help="a JSONL file of prompt/answer objects")
+    e.add_argument("--prompt-field", default="prompt", help="--data: the prompt's field name")
+    e.add_argument("--answer-field", default="answer", help="--data: the reference answer's field name")
+    e.add_argument("--metric", default="exact", help="--data: exact, contains or regex")
+    e.add_argument("--regex", default=None, help="--data, metric regex: pattern whose group 1 is the answer")
+    e.add_argument("--output", type=Path, default=None, help="--data: write per-item results here (JSONL)")
     e.add_argument("--json", action="store_true", help="one JSON object: accuracy, nfe, tpf, tokens_per_s, wall_s, n")
     _add_model_args(e)
     _add_sampling_args(e)

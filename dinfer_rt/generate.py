@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,9 +70,18 @@ def check_token_ids(prompts: list[list[int]], vocab: int) -> None:
                 )
 
 
+StopCheck = Callable[[int, list[int]], bool]
+"""``(row, the row's generated ids up to the end of the block just finished) -> stop now?``"""
+
+
 @torch.no_grad()
-def generate_batch(model: Model, prompts: list[list[int]], params: SamplingParams) -> BatchResult:
-    """Decode ``params.gen_length`` slots after each prompt (left-padded into one batch)."""
+def generate_batch(
+    model: Model, prompts: list[list[int]], params: SamplingParams, stop: StopCheck | None = None
+) -> BatchResult:
+    """Decode ``params.gen_length`` slots after each prompt (left-padded into one batch).
+
+    ``stop`` is asked at the end of every block for each row still running; a row it stops is
+    finished like one that produced EOS (the rest filled, no more forwards spent on it)."""
     params.validate()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise GenerationError("every prompt must have at least one token")
@@ -135,11 +145,16 @@ def generate_batch(model: Model, prompts: list[list[int]], params: SamplingParam
             steps_view = commit_step[:, lo - p_len : e - p_len]
             steps_view.copy_(torch.where(commit[:, lo - s :], forward.nfe - 1, steps_view))
             step += 1
+        newly = torch.zeros_like(done)
         if params.early_stop and eos:
-            blk = x[:, s:e]
-            has_eos = torch.isin(blk, torch.tensor(eos, device=dev)).any(-1)
-            newly = has_eos & ~done
-            x[newly, e:] = model.pad_id if model.pad_id in eos else eos[0]
+            newly |= torch.isin(x[:, s:e], torch.tensor(eos, device=dev)).any(-1) & ~done
+        if stop is not None:
+            final = x[:, p_len:e].cpu()  # the block is complete: every slot up to e is final
+            for r in (~done & ~newly).nonzero().flatten().tolist():
+                newly[r] |= stop(r, final[r].tolist())
+        if newly.any():
+            fill = model.pad_id if model.pad_id in eos else (eos[0] if eos else model.pad_id)
+            x[newly, e:] = fill
             done |= newly
             if done.all():
                 break
@@ -190,10 +205,24 @@ class _Forwarder:
         if self.params.cfg_scale > 0:
             return self._guided(x)[:, s:e]
         lo, hi, cached = self._window(s, e, step, x.shape[1])
-        cache = self.cache if cached else None
         compute = torch.arange(lo, hi) if cached else None
+        # Rows are run in slices of at most max_forward_tokens computed positions: a long refresh
+        # of a big batch then holds a slice's activations, not the whole batch's (chunked prefill).
+        per = max(1, self.params.max_forward_tokens // (hi - lo)) if self.params.max_forward_tokens else x.shape[0]
+        slices = [(r, min(r + per, x.shape[0])) for r in range(0, x.shape[0], per)]
+
+        def rows(r0: int, r1: int):
+            whole = r0 == 0 and r1 == x.shape[0]
+            cache = None if not cached else (self.cache if whole else self.cache.rows(r0, r1))
+            attn = self.attn if self.attn is None or whole else self.attn[r0:r1]
+            return (x if whole else x[r0:r1]), attn, cache
+
         if not self.use_confidence:
-            return m.forward(x, self.attn, cache=cache, compute=compute, block_size=self.block_size)[:, s - lo : e - lo]
+            parts = []
+            for r0, r1 in slices:
+                xs, attn, cache = rows(r0, r1)
+                parts.append(m.forward(xs, attn, cache=cache, compute=compute, block_size=self.block_size))
+            return (torch.cat(parts) if len(parts) > 1 else parts[0])[:, s - lo : e - lo]
         # Confidence head: the LM head runs only where some row still has a mask (on the device
         # path, at every block slot: a fixed shape and no host sync to find them).
         if self.device_rule is not None:
@@ -201,9 +230,15 @@ class _Forwarder:
         else:
             select = torch.arange(s, e)[(x[:, s:e] == m.mask_id).any(0)]
         score = strategies.SCORE_KIND[self.params.strategy]
-        conf, token = m.confidence(
-            x, self.attn, select=select, score=score, cache=cache, compute=compute, block_size=self.block_size
-        )
+        outs = []
+        for r0, r1 in slices:
+            xs, attn, cache = rows(r0, r1)
+            outs.append(
+                m.confidence(
+                    xs, attn, select=select, score=score, cache=cache, compute=compute, block_size=self.block_size
+                )
+            )
+        conf, token = outs[0] if len(outs) == 1 else (torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]))
         if self.device_rule is not None:
             return token, conf
         x0 = torch.full((x.shape[0], e - s), m.mask_id, dtype=torch.long)

@@ -70,18 +70,48 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         encoded = [self.encode(p, params.chat) for p in prompts]
         eos = set(self.model.eos_ids)
+        tok = self.model.tokenizer
+        if params.stop and tok is None:
+            raise GenerationError("stop strings need the model's tokenizer (loaded without one)")
         outputs: list[GenerationOutput] = []
         with tqdm(total=len(encoded), desc="generate", disable=not progress, unit="prompt") as bar:
             for i in range(0, len(encoded), params.batch_size):
                 chunk = encoded[i : i + params.batch_size]
-                res = generate_batch(self.model, chunk, params)
+                res = generate_batch(self.model, chunk, params, stop=self._stop_check(params.stop, eos))
                 for r, ids in enumerate(res.tokens.tolist()):
                     cut = next((j for j, t in enumerate(ids) if t in eos), len(ids))
+                    text = tok.decode(ids[:cut]) if tok else ""
+                    if params.stop:
+                        cut, text = self._cut_at_stop(ids[:cut], text, params.stop)
                     toks = int(res.committed[r])
                     stats = GenerationStats(
                         res.nfe, toks, toks / max(res.nfe, 1), res.wall_s, toks / res.wall_s if res.wall_s > 0 else 0.0
                     )
-                    text = self.model.tokenizer.decode(ids[:cut]) if self.model.tokenizer else ""
                     outputs.append(GenerationOutput(prompts[i + r], text, ids[:cut], stats))
                 bar.update(len(chunk))
         return outputs
+
+    def _stop_check(self, stop: tuple[str, ...], eos: set[int]):
+        """The scheduler's per-block question: does this row's final text contain a stop string?"""
+        if not stop:
+            return None
+        decode = self.model.tokenizer.decode
+
+        def check(_row: int, ids: list[int]) -> bool:
+            end = next((j for j, t in enumerate(ids) if t in eos), len(ids))
+            text = decode(ids[:end])
+            return any(s in text for s in stop)
+
+        return check
+
+    def _cut_at_stop(self, ids: list[int], text: str, stop: tuple[str, ...]) -> tuple[int, str]:
+        """(tokens kept, text) cut before the first stop string (OpenAI's rule: the stop string
+        itself is not returned); the tokens kept are those whose text lies wholly before it."""
+        at = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+        if at < 0:
+            return len(ids), text
+        decode = self.model.tokenizer.decode
+        keep = 0
+        while keep < len(ids) and len(decode(ids[: keep + 1])) <= at:
+            keep += 1
+        return keep, text[:at]

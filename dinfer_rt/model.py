@@ -33,6 +33,10 @@ class KVCache:
     def length(self) -> int:
         return self.k[0].shape[1]
 
+    def rows(self, r0: int, r1: int) -> KVCache:
+        """Rows [r0, r1) of every buffer, as views: a forward on them writes this cache in place."""
+        return KVCache([k[r0:r1] for k in self.k], [v[r0:r1] for v in self.v])
+
 
 class Model:
     def __init__(

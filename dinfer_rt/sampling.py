@@ -18,6 +18,7 @@ STRATEGIES = (
     "topk_margin",
     "entropy",
 )
+MAX_STOP = 16
 CACHES = ("none", "prefix", "dual", "vicinity", "adaptive")
 
 # field -> (type, lower bound, upper bound, lower bound exclusive); None: unbounded
@@ -43,11 +44,12 @@ _FIELD_RULES: dict[str, tuple[type, float | None, float | None, bool]] = {
     "confidence_head": (bool, None, None, False),
     "early_stop": (bool, None, None, False),
     "sync_every": (int, 1, None, False),
+    "max_forward_tokens": (int, 1, None, False),
     "batch_size": (int, 1, None, False),
     "seed": (int, 0, 2**63 - 1, False),
     "chat": (bool, None, None, False),
 }
-_OPTIONAL = {"steps", "refresh_window"}
+_OPTIONAL = {"steps", "refresh_window", "max_forward_tokens"}
 
 
 @dataclass
@@ -81,9 +83,11 @@ class SamplingParams:
     confidence_head: bool = True  # greedy threshold-style rules use the model's fused confidence head
     early_stop: bool = True
     sync_every: int = 1  # check completion every k steps (loop unrolling; wasted forwards count in NFE)
+    max_forward_tokens: int | None = 4096  # rows x computed positions per forward; bigger batches run in row slices
     batch_size: int = 16
     seed: int = 0
     chat: bool = True
+    stop: tuple[str, ...] = ()  # stop strings: a row ends at the block in which one is final; text cut there
 
     def validate(self) -> SamplingParams:
         """Every field's type and range, then the rules between fields; the first problem is
@@ -108,6 +112,13 @@ class SamplingParams:
                 if high is None:
                     raise bad(f"{name} {v!r} must be {'>' if low_open else '>='} {low}")
                 raise bad(f"{name} {v!r} must be in {'(' if low_open else '['}{low}, {high}]")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        if not isinstance(self.stop, (tuple, list)) or not all(isinstance(x, str) and x for x in self.stop):
+            raise bad(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if len(self.stop) > MAX_STOP:
+            raise bad(f"stop holds {len(self.stop)} strings; at most {MAX_STOP}")
+        self.stop = tuple(self.stop)
         if self.strategy not in STRATEGIES:
             raise bad(f"unknown strategy {self.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
         if self.cache not in CACHES:

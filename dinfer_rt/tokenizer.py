@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -78,13 +79,11 @@ class Tokenizer:
             raise TokenizerError(f"{self._cfg_path}: no 'chat_template'; run without chat mode")
         import jinja2
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_from_template
         try:
-            template = env.from_string(self.chat_template)
+            template = _template_environment().from_string(self.chat_template)
         except jinja2.TemplateError as e:
             raise TokenizerError(f"{self._cfg_path}: chat_template does not parse: {e}") from None
-        specials = {k: _content(self.config.get(k)) or "" for k in ("bos_token", "eos_token", "pad_token")}
+        specials = {k: _content(self.config.get(k)) or "" for k in _SPECIAL_KEYS}
         try:
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
         except _TemplateRaised as e:
@@ -95,6 +94,46 @@ class Tokenizer:
 
 class _TemplateRaised(Exception):
     pass
+
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "mask_token", "sep_token", "cls_token")
+
+
+@functools.cache
+def _template_environment():
+    """The environment transformers renders chat templates in (``apply_chat_template``): a
+    sandbox with trim_blocks / lstrip_blocks, the loop-controls extension, a ``{% generation %}``
+    tag that renders its body, ``tojson`` without HTML escaping, and the globals
+    ``raise_exception`` and ``strftime_now``: the same template gives the same text."""
+    import datetime
+    import json
+
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    )
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = _raise_from_template
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
 
 
 def _raise_from_template(message: str) -> None:

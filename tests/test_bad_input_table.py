@@ -64,6 +64,12 @@ class Env:
         path.write_text(json.dumps(cfg))
         return self.ckpt
 
+    def data(self, *lines: str) -> Path:
+        """A JSONL data file with these lines."""
+        path = self.tmp / "data.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
     def cli(self, *argv: str) -> None:
         """Run the CLI; exit status 2 with a message becomes a DinferError carrying it."""
         import contextlib
@@ -218,9 +224,7 @@ CASES = [
     Case("plugin-not-installed", _plugins_missing, "DINFER_PLUGINS names plugin(s) not installed: nosuchplugin"),
     Case("dump-ir-not-writable", _dump_ir_unwritable, "DINFER_DUMP_IR"),
     # ------------------------------------------------------------------ CLI numbers
-    Case(
-        "eval-limit-zero", lambda env: env.cli("eval", "--limit", "0"), "argument --limit: must be in [1, 1000], got 0"
-    ),
+    Case("eval-limit-zero", lambda env: env.cli("eval", "--limit", "0"), "argument --limit: must be >= 1, got 0"),
     Case(
         "eval-limit-not-int", lambda env: env.cli("eval", "--limit", "ten"), "--limit: expected an integer, got 'ten'"
     ),
@@ -232,6 +236,41 @@ CASES = [
         lambda env: env.cli("generate", "ab", "--gen-length", "0"),
         "gen_length 0 must be >= 1",
     ),
+    Case(
+        "eval-limit-past-heldout",
+        lambda env: env.cli("eval", "--limit", "1001"),
+        "eval --limit 1001: the held-out set has 1000 items",
+    ),
+    Case(
+        "eval-data-missing-field",
+        lambda env: env.cli("eval", "--data", str(env.data('{"prompt": "ab", "answer": "x"}', '{"prompt": "cd"}'))),
+        "data.jsonl:2: no field 'answer' (fields: prompt)",
+    ),
+    Case(
+        "eval-data-not-json",
+        lambda env: env.cli("eval", "--data", str(env.data('{"prompt": "ab", "answer": "x"}', "{oops"))),
+        "data.jsonl:2: not a JSON object",
+    ),
+    Case(
+        "eval-data-missing-file",
+        lambda env: env.cli("eval", "--data", str(env.tmp / "nope.jsonl")),
+        "nope.jsonl: cannot read the data file",
+    ),
+    Case(
+        "eval-unknown-metric",
+        lambda env: env.cli("eval", "--data", str(env.data('{"prompt": "a", "answer": "b"}')), "--metric", "f1"),
+        "unknown metric 'f1'; choose one of: exact, contains, regex",
+    ),
+    Case(
+        "eval-bad-regex",
+        lambda env: env.cli(
+            "eval", "--data", str(env.data('{"prompt": "a", "answer": "b"}')), "--metric", "regex", "--regex", "(a"
+        ),
+        "--regex '(a' is not a valid regular expression",
+    ),
+    Case("stop-not-strings", _sampling(stop=("ok", 3)), "stop must be a list of non-empty strings"),
+    Case("stop-empty-string", _sampling(stop=("",)), "stop must be a list of non-empty strings"),
+    Case("refresh-bound-negative", _sampling(refresh_bound=-1), "refresh_bound -1 must be >= 0"),
     Case(
         "validate-report-unwritable",
         lambda env: env.cli("validate", "--backends", "cpu", "--json", "/proc/nope/report.json"),

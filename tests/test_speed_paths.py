@@ -220,3 +220,31 @@ def test_backend_kernel_table_names_the_cpu_fast_kernels():
     for op in ("attention", "rope_attention", "rms_norm", "add_rms_norm"):
         kernel, source = table[op]
         assert source == "native" and kernel is not ops.OPS[op].reference, op
+
+
+@pytest.mark.parametrize("kind", ["max", "margin", "entropy"])
+@pytest.mark.parametrize("chunk", [7, 8, 64])  # online state across chunks (banned id on a boundary), one chunk
+def test_cpu_confidence_head_paths_equal_the_reference(kind, chunk):
+    from dinfer_rt.backends.cpu.kernels import lm_head_confidence_chunked
+
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(3, 4, 16, dtype=torch.float64, generator=g)
+    w = torch.randn(40, 16, dtype=torch.float64, generator=g)
+    got = lm_head_confidence_chunked(h, w, banned=8, kind=kind, chunk=chunk)
+    want = ops.lm_head_confidence(h, w, banned=8, kind=kind)
+    assert (got[0] - want[0]).abs().max() < 1e-12
+    assert torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("cache", ["none", "dual", "adaptive"])
+@pytest.mark.parametrize("head", [True, False])
+def test_row_slices_of_a_big_forward_decode_like_one_forward(ckpt_dir, cache, head):
+    """``max_forward_tokens`` runs a batch's forward in row slices (each writing its rows of the
+    KV cache in place): the decisions are those of one whole-batch forward."""
+    model = dinfer_rt.load_model(ckpt_dir("dream"))  # padding-derived positions: slices must keep them
+    prompts = [[7, 8, 9], [10, 11, 12, 13, 14], [15], [16, 17]]
+    kw = dict(cache=cache, confidence_head=head)
+    whole = _decode(model, prompts, max_forward_tokens=None, **kw)
+    sliced = _decode(model, prompts, max_forward_tokens=13, **kw)  # 13 // 13 positions: one row per slice
+    assert torch.equal(whole.tokens, sliced.tokens)
+    assert whole.nfe == sliced.nfe

@@ -23,6 +23,8 @@ def lm_head_confidence_chunked(
     tracking the running max m, Z = sum exp(z - m), the top-2 logits with the argmax, and
     (for entropy) S = sum exp(z - m) * (z - m), since sum p log p = S / Z - log Z."""
     acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    if weight.shape[0] <= chunk:  # one chunk: the full softmax is as small as the running state
+        return _confidence_one_chunk(F.linear(h, weight).to(acc), banned, kind)
     shape = h.shape[:-1]
     neg = torch.full(shape, float("-inf"), dtype=acc, device=h.device)
     m, top1, top2 = neg.clone(), neg.clone(), neg.clone()
@@ -60,6 +62,25 @@ def lm_head_confidence_chunked(
         return p1 - torch.exp(top2 - ref) / z_sum, best
     if kind == "entropy":  # sum p log p = sum p (z - ref - log Z) = S / Z - log Z, no cancellation
         return s_sum / z_sum - torch.log(z_sum), best
+    raise OpTypeError(f"lm_head_confidence: unknown kind {kind!r} (max, margin, entropy)")
+
+
+def _confidence_one_chunk(z: torch.Tensor, banned: int, kind: str):
+    """The statistics of one vocabulary chunk directly (a handful of kernels, not the running
+    online-softmax state): what small-vocabulary models pay per step."""
+    if 0 <= banned < z.shape[-1]:
+        z[..., banned] = float("-inf")
+    if kind == "max":
+        p1, best = z.softmax(-1).max(-1)
+        return p1, best
+    if kind == "margin":
+        top = z.softmax(-1).topk(min(2, z.shape[-1]), dim=-1)
+        second = top.values[..., 1] if z.shape[-1] > 1 else torch.zeros_like(top.values[..., 0])
+        return top.values[..., 0] - second, top.indices[..., 0]
+    if kind == "entropy":
+        logp = z.log_softmax(-1)
+        neg_entropy = (logp.exp() * logp).nan_to_num(0.0).sum(-1)  # 0 * -inf (the banned token) -> 0
+        return neg_entropy, z.argmax(-1)
     raise OpTypeError(f"lm_head_confidence: unknown kind {kind!r} (max, margin, entropy)")
 
 

@@ -40,7 +40,15 @@ class PassContext:
         if existing is not None:
             return existing
         if name not in self.weights:
-            self.weights[name] = fusion.concat_weights([self.weights[v.name] for v in values])
+            parts = [self.weights[v.name] for v in values]
+            merged = self.weights[name] = fusion.concat_weights(parts)
+            # The parts become row views of the merged tensor (same values): graphs that still
+            # use them (an unfused variant, another backend) share its memory instead of holding
+            # a second copy of every merged weight.
+            lo = 0
+            for v, t in zip(values, parts):
+                self.weights[v.name] = merged[lo : lo + t.shape[0]]
+                lo += t.shape[0]
         return graph.param(name, fusion.concat_type(values))
 
 

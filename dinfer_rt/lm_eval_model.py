@@ -1,0 +1,199 @@
+"""dinfer-rt as an lm-evaluation-harness model: ``--model dinfer_rt``.
+
+    python -m dinfer_rt.lm_eval_model --model dinfer_rt \\
+        --model_args pretrained=PATH,strategy=threshold,threshold=0.9,block_length=32 \\
+        --tasks gsm8k --apply_chat_template
+
+Importing this module registers the model with lm-eval's registry; ``python -m
+dinfer_rt.lm_eval_model`` (or the ``dinfer-rt-lm-eval`` script) registers it and then runs
+lm-eval's own command line, with every lm-eval flag. The ``lm_eval.models`` entry point in
+pyproject.toml names the class too, for lm-eval releases that discover models through entry
+points (0.4.13, installed here, does not: it resolves ``--model`` against its own table only).
+
+- ``generate_until``: ``until`` are stop strings honoured during decoding (a row stops at the
+  block in which one becomes final, and the text is cut before it), ``max_gen_toks`` becomes
+  ``gen_length`` rounded up to whole blocks (the text is cut back to it), requests with the same
+  generation arguments are decoded in batches of ``batch_size``.
+- ``loglikelihood`` / ``loglikelihood_rolling``: the masked-diffusion bound by Monte Carlo
+  (``dinfer_rt.likelihood``), ``mc_num`` samples, optional ``cfg_scale``, seeded.
+- ``--apply_chat_template`` renders with the model's own chat template.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+from dinfer_rt.errors import DinferError
+from dinfer_rt.likelihood import loglikelihood
+from dinfer_rt.llm import LLM
+from dinfer_rt.sampling import SamplingParams
+
+_SAMPLING_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
+
+
+@register_model("dinfer_rt")
+class DinferLM(LM):
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        backend: str | None = None,
+        dtype: str | None = None,
+        mc_num: int = 128,
+        mc_batch_size: int = 32,
+        batch_size: int | str = 16,
+        **sampling,
+    ) -> None:
+        super().__init__()
+        unknown = sorted(set(sampling) - set(_SAMPLING_FIELDS) - {"device", "max_batch_size"})
+        if unknown:
+            raise DinferError(
+                f"--model_args: unknown argument(s) {', '.join(unknown)} for dinfer_rt; "
+                f"known: pretrained, backend, dtype, mc_num, mc_batch_size, batch_size, {', '.join(_SAMPLING_FIELDS)}"
+            )
+        sampling.pop("device", None)  # lm-eval passes its --device; the backend decides the device here
+        sampling.pop("max_batch_size", None)
+        self.llm = LLM(pretrained or None, backend=backend, dtype=dtype)
+        self.mc_num, self.mc_batch_size = int(mc_num), int(mc_batch_size)
+        self.batch_size = 16 if str(batch_size).startswith("auto") else int(batch_size)
+        self.defaults = SamplingParams(**sampling, batch_size=self.batch_size, chat=False).validate()
+        self._rank, self._world_size = _join_data_parallel(self.llm.model.backend)
+        self._device = self.llm.model.backend.device()
+
+    # ---------------------------------------------------------------- data parallel (lm-eval splits requests by rank)
+    def all_gather(self, tensor):
+        if self._world_size == 1:
+            return tensor
+        import torch
+        import torch.distributed as dist
+
+        parts = [torch.zeros_like(tensor) for _ in range(self._world_size)]
+        dist.all_gather(parts, tensor)
+        return torch.stack(parts)
+
+    def gather_object(self, obj, dst: int = 0):
+        if self._world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self._world_size if self._rank == dst else None
+        dist.gather_object(obj, out, dst=dst)
+        return out
+
+    def barrier(self) -> None:
+        if self._world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    # ---------------------------------------------------------------- chat
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.llm.model.path)
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self.llm.model.tokenizer.chat_template
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.llm.model.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt)
+
+    # ---------------------------------------------------------------- generation
+    def _params_for(self, gen_kwargs: dict) -> tuple[SamplingParams, int]:
+        until = gen_kwargs.get("until") or ()
+        until = (until,) if isinstance(until, str) else tuple(u for u in until if u)
+        max_toks = int(gen_kwargs.get("max_gen_toks", self.defaults.gen_length))
+        block = self.defaults.block_length
+        gen = max(block, math.ceil(max_toks / block) * block)
+        fields = dataclasses.asdict(self.defaults)
+        fields.update(gen_length=gen, stop=until)
+        if self.defaults.steps is not None:  # keep the steps-per-block ratio of the configured budget
+            per_block = self.defaults.steps_per_block()
+            fields["steps"] = per_block * (gen // block)
+        temperature = gen_kwargs.get("temperature")
+        if temperature is not None and gen_kwargs.get("do_sample", temperature > 0):
+            fields["temperature"] = float(temperature)
+        return SamplingParams(**fields).validate(), max_toks
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out: list[str | None] = [None] * len(requests)
+        groups: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(repr(sorted(req.args[1].items())), []).append(i)
+        tok = self.llm.model.tokenizer
+        with tqdm(total=len(requests), desc="dinfer_rt generate_until", disable=disable_tqdm) as bar:
+            for idx in groups.values():
+                params, max_toks = self._params_for(requests[idx[0]].args[1])
+                for lo in range(0, len(idx), params.batch_size):
+                    chunk = idx[lo : lo + params.batch_size]
+                    outs = self.llm.generate([requests[i].args[0] for i in chunk], params)
+                    for i, o in zip(chunk, outs):
+                        text = o.text if len(o.token_ids) <= max_toks else tok.decode(o.token_ids[:max_toks])
+                        out[i] = text
+                        self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                    bar.update(len(chunk))
+        return out  # type: ignore[return-value]
+
+    # ---------------------------------------------------------------- likelihoods
+    def _score(self, context: list[int], continuation: list[int], greedy: bool):
+        return loglikelihood(
+            self.llm.model,
+            context,
+            continuation,
+            mc_num=self.mc_num,
+            batch_size=min(self.mc_batch_size, self.mc_num),
+            cfg_scale=self.defaults.cfg_scale,
+            seed=self.defaults.seed,
+            greedy_check=greedy,
+        )
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        tok = self.llm.model.tokenizer
+        results = []
+        for req in tqdm(requests, desc="dinfer_rt loglikelihood", disable=disable_tqdm):
+            context, continuation = req.args
+            r = self._score(tok.encode(context), tok.encode(continuation), greedy=True)
+            results.append((r.logprob, r.is_greedy))
+            self.cache_hook.add_partial("loglikelihood", req.args, results[-1])
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        tok = self.llm.model.tokenizer
+        bos = tok.special_id("bos_token")
+        results = []
+        for req in tqdm(requests, desc="dinfer_rt loglikelihood_rolling", disable=disable_tqdm):
+            ids = tok.encode(req.args[0])
+            r = self._score([] if bos is None else [bos], ids, greedy=False)
+            results.append(r.logprob)
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, r.logprob)
+        return results
+
+
+def _join_data_parallel(backend) -> tuple[int, int]:
+    """(rank, world size). Under ``torchrun`` (WORLD_SIZE > 1) every rank holds a whole replica and
+    lm-eval hands each its share of the requests; the process group uses the backend's collective
+    library (gloo on the cpu backend), rendezvous env://."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        library = (backend.capabilities().collectives or "gloo").split()[0]  # "nccl (RCCL)" -> "nccl"
+        dist.init_process_group(library, init_method="env://")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def main() -> None:
+    """lm-eval's own command line, with ``dinfer_rt`` registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Chat templates render exactly as transformers renders them (its own ``render_jinja_template``).
+
+The templates are of the three forms the families use: Llama-3 style with the BOS once before the
+first message (LLaDA-8B-Instruct, as docs/models.md describes it), ChatML with a default system
+prompt (Qwen2-based Dream-Instruct) and role-tagged turns (LLaDA2 / Bailing), plus templates that
+use the features transformers' environment adds (loop controls, ``tojson``, ``{% generation %}``,
+namespaces). The public tokenizer_config.json files cannot be read offline, so these strings are
+written to their published forms rather than copied from the hub."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dinfer_rt.errors import TokenizerError
+from dinfer_rt.testing import checkpoints
+from dinfer_rt.tokenizer import Tokenizer
+
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+ROLE_TAGS = (
+    "{% for message in messages %}{% set role = message['role'] | upper %}"
+    "{% if role == 'USER' %}{% set role = 'HUMAN' %}{% endif %}{% set role = role | lower %}"
+    "{{ '<role>' + role + '</role>' + message['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<role>ASSISTANT</role>' }}{% endif %}"
+)
+FEATURES = (
+    "{%- set ns = namespace(n=0) -%}\n"
+    "{%- for m in messages -%}\n"
+    "  {%- if m['role'] == 'skip' %}{% continue %}{% endif -%}\n"
+    "  {%- set ns.n = ns.n + 1 -%}\n"
+    "  {{ ns.n }}:{{ m['role'] }}:{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+    "{% endgeneration %}{% else %}{{ m['content'] | tojson }}{% endif %}\n"
+    "  {%- if ns.n > 3 %}{% break %}{% endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt %}>{{ eos_token }}{% endif -%}"
+)
+CONVERSATIONS = [
+    [{"role": "user", "content": "  What is 2+2?  "}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": 'Sum 1..3 — «quoted» "json" <b>'},
+    ],
+    [
+        {"role": "user", "content": "a"},
+        {"role": "skip", "content": "x"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+        {"role": "user", "content": "e"},
+    ],
+]
+
+
+def _tokenizer(tmp_path, template: str) -> Tokenizer:
+    path = checkpoints.llada(tmp_path / "m")
+    cfg_path = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) | {"chat_template": template}
+    cfg_path.write_text(json.dumps(cfg))
+    return Tokenizer(path, 61)
+
+
+@pytest.mark.parametrize(
+    "template", [LLAMA3, CHATML, ROLE_TAGS, FEATURES], ids=["llama3", "chatml", "roles", "features"]
+)
+@pytest.mark.parametrize("conv", range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("gen_prompt", [True, False])
+def test_chat_template_renders_like_transformers(tmp_path, template, conv, gen_prompt):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    tok = _tokenizer(tmp_path, template)
+    messages = CONVERSATIONS[conv]
+    specials = {k: v for k, v in tok.config.items() if k.endswith("_token") and isinstance(v, str)}
+    want = render_jinja_template([messages], chat_template=template, add_generation_prompt=gen_prompt, **specials)[0][0]
+    assert tok.apply_chat_template(messages, add_generation_prompt=gen_prompt) == want
+
+
+def test_raise_exception_in_a_template_is_a_tokenizer_error(tmp_path):
+    tok = _tokenizer(tmp_path, "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}")
+    with pytest.raises(TokenizerError, match="chat_template raised: user first"):
+        tok.apply_chat_template([{"role": "assistant", "content": "x"}])
+
+
+def test_the_sandbox_refuses_what_transformers_refuses(tmp_path):
+    tok = _tokenizer(tmp_path, "{{ messages.__class__.__mro__ }}")
+    with pytest.raises(TokenizerError, match="chat_template failed"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
