@@ -56,6 +56,19 @@ CONFIGS = [
 ]
 
 
+# --quick: the batch-50 rows the issue-#19 targets are computed from, and their neighbours.
+QUICK = [
+    dict(strategy="threshold", cache="none", block_length=40, threshold=0.9),
+    dict(strategy="threshold", cache="none", block_length=40, threshold=0.7),
+    dict(strategy="threshold", cache="none", block_length=8, threshold=0.9),
+    dict(strategy="threshold", cache="dual", block_length=8, threshold=0.9),
+    dict(strategy="threshold", cache="vicinity", block_length=8, threshold=0.9),
+    dict(strategy="threshold", cache="adaptive", block_length=8, threshold=0.9),
+    dict(strategy="threshold", cache="adaptive", block_length=8, threshold=0.7),
+    dict(strategy="factor", cache="none", block_length=40, factor=1.0),
+    dict(strategy="credit", cache="none", block_length=40, threshold=0.9),
+]
+
 # The subset also run at batch 1 (one prompt at a time: the peers' only mode).
 BATCH1 = [
     dict(strategy="threshold", cache="none", block_length=8, threshold=0.9),
@@ -165,10 +178,11 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=50)
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--repeats", type=int, default=3, help="runs per configuration; wall time is their median")
+    ap.add_argument("--quick", action="store_true", help="only the batch-50 rows the targets need (about 12 min)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     llm = LLM(args.model)
-    rows = run_configs(llm, CONFIGS, args.batch_size, args.limit, args.repeats)
+    rows = run_configs(llm, QUICK if args.quick else CONFIGS, args.batch_size, args.limit, args.repeats)
     rows += run_configs(llm, BATCH1, 1, args.limit_batch1, args.repeats)
     for b in (8, 40):
         rows.append(run_baseline(args.model, task.heldout(args.limit_batch1), 1, b, args.repeats, cache=False))
