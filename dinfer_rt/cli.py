@@ -1,4 +1,4 @@
-"""``dinfer-rt`` command line: generate, eval, bench, validate, kernels compile, ir, backends, env.
+"""``dinfer-rt`` command line: generate, serve, eval, bench, validate, kernels compile, ir, backends, env.
 
 Errors on bad input print ``error: <message>`` and exit 2 without a traceback;
 ``--debug`` (before the command) re-raises to show it.
@@ -108,6 +108,27 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return 0
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from dinfer_rt.loader import load_model
+    from dinfer_rt.server import ServeConfig, serve
+
+    defaults = _params(a)
+    config = ServeConfig(
+        host=a.host,
+        port=a.port,
+        model_name=a.served_model_name or (a.model.name if a.model else "dinfer-rt-embedded"),
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_queue=a.max_queue,
+        max_model_len=a.max_model_len,
+        drain_timeout=a.drain_timeout,
+        shutdown_after_requests=a.shutdown_after_requests,
+        shutdown_after_s=a.shutdown_after_s,
+    )
+    model = load_model(a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights)
+    return serve(model, defaults, config)
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
@@ -345,6 +366,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: localhost only)")
+    sv.add_argument("--port", type=_int_in(0, 65535), default=8000)
+    sv.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder name)")
+    sv.add_argument("--max-num-seqs", type=_int_in(1), default=16, help="rows decoding at once")
+    sv.add_argument(
+        "--max-num-batched-tokens", type=_int_in(1), default=4096, help="query slots per forward at admission"
+    )
+    sv.add_argument("--max-queue", type=_int_in(0), default=256, help="waiting requests; past it: 429")
+    sv.add_argument("--max-model-len", type=_int_in(1), default=None, help="prompt + generated tokens (KV-cache pool)")
+    sv.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for running rows")
+    sv.add_argument("--shutdown-after-requests", type=_int_in(1), default=None, help="exit after N answers (tests)")
+    sv.add_argument("--shutdown-after-s", type=float, default=None, help="exit after S seconds (tests)")
+    _add_model_args(sv)
+    _add_sampling_args(sv)
+    sv.set_defaults(func=cmd_serve)
+
     e = sub.add_parser("eval", help="accuracy and speed: the embedded model's held-out set, or --data FILE.jsonl")
     e.add_argument("--limit", type=_int_in(1), default=None, help="first N items (default: all; held-out set: 1000)")
     e.add_argument("--data", type=Path, default=None, help="a JSONL file of prompt/answer objects")

@@ -249,8 +249,10 @@ class _Forwarder:
     def _window(self, s: int, e: int, step: int, n: int) -> tuple[int, int, bool]:
         """Positions [lo, hi) this step computes, and whether it reads and writes the cache."""
         p, m = self.params, self.model
-        if self.cache is None or (p.cache == "vicinity" and self.nfe <= p.vicinity_warmup):
+        if self.cache is None:
             return 0, n, False
+        if p.cache == "vicinity" and self.nfe <= p.vicinity_warmup:  # full forwards that fill the cache
+            return 0, n, True
         if m.spec.block_causal:
             # Earlier blocks never see later ones: K/V of finished blocks are final, except the previous
             # block's, whose last forward still held masks. Refresh it together with the block's first step.

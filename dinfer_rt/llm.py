@@ -13,6 +13,7 @@ from dinfer_rt.generate import generate_batch
 from dinfer_rt.loader import load_model
 from dinfer_rt.model import Model
 from dinfer_rt.sampling import SamplingParams
+from dinfer_rt.stopping import before_eos, cut_at_stop
 
 
 @dataclass
@@ -82,7 +83,7 @@ class LLM:
                     cut = next((j for j, t in enumerate(ids) if t in eos), len(ids))
                     text = tok.decode(ids[:cut]) if tok else ""
                     if params.stop:
-                        cut, text = self._cut_at_stop(ids[:cut], text, params.stop)
+                        cut, text = cut_at_stop(tok.decode, ids[:cut], text, params.stop)
                     toks = int(res.committed[r])
                     stats = GenerationStats(
                         res.nfe, toks, toks / max(res.nfe, 1), res.wall_s, toks / res.wall_s if res.wall_s > 0 else 0.0
@@ -98,20 +99,7 @@ class LLM:
         decode = self.model.tokenizer.decode
 
         def check(_row: int, ids: list[int]) -> bool:
-            end = next((j for j, t in enumerate(ids) if t in eos), len(ids))
-            text = decode(ids[:end])
+            text = decode(before_eos(ids, eos))
             return any(s in text for s in stop)
 
         return check
-
-    def _cut_at_stop(self, ids: list[int], text: str, stop: tuple[str, ...]) -> tuple[int, str]:
-        """(tokens kept, text) cut before the first stop string (OpenAI's rule: the stop string
-        itself is not returned); the tokens kept are those whose text lies wholly before it."""
-        at = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-        if at < 0:
-            return len(ids), text
-        decode = self.model.tokenizer.decode
-        keep = 0
-        while keep < len(ids) and len(decode(ids[: keep + 1])) <= at:
-            keep += 1
-        return keep, text[:at]

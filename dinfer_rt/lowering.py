@@ -3,7 +3,8 @@
 Graph inputs:
   ``input_ids`` i64[B, T]   tokens computed by this forward
   ``positions`` i64[B, T]   RoPE positions of those tokens
-  ``token_index`` i64[T]    sequence slot of each token (cache index, block-causal rule)
+  ``token_index`` i64[T]    sequence slot of each token (cache index, block-causal rule);
+                            i64[B, T] with ``per_row`` (each row its own slots: continuous batching)
   ``key_valid`` bool[B, S]  padding mask over keys (S == T without a cache)
   ``k_cache.i``/``v_cache.i`` [B, S, KV, D] per layer, in the cached variant only
 Outputs: ``logits`` [B, T, V] (unshifted), and the updated caches in the cached variant.
@@ -29,19 +30,21 @@ def lower(
     head: str = "logits",
     mask_id: int | None = None,
     score: str = "max",
+    per_row: bool = False,
 ) -> Graph:
     """Build and verify the forward graph of ``spec`` in compute dtype ``dtype``.
 
     ``head="confidence"`` adds an input ``select`` i64[M] (indices into the T computed tokens)
     and outputs ``confidence`` / ``token`` [B, M] (the ``score`` kind: max probability, margin or
     negative entropy; and the argmax, ``mask_id`` banned) instead of ``logits``: the scheduler's
-    greedy rules need nothing else.
+    greedy rules need nothing else. ``per_row`` makes ``token_index`` [B, T]: every row computes
+    its own set of slots (rows at different blocks share one forward).
     """
     acc = accumulate_dtype(dtype)
-    g = Graph(f"{spec.family}{'_cached' if cached else ''}")
+    g = Graph(f"{spec.family}{'_cached' if cached else ''}{'_per_row' if per_row else ''}")
     ids = g.input("input_ids", TensorType(("B", "T"), torch.int64))
     pos = g.input("positions", TensorType(("B", "T"), torch.int64))
-    tok = g.input("token_index", TensorType(("T",), torch.int64))
+    tok = g.input("token_index", TensorType(("B", "T") if per_row else ("T",), torch.int64))
     key_valid = g.input("key_valid", TensorType(("B", "S" if cached else "T"), torch.bool))
     kvd = (spec.n_kv_heads, spec.head_dim)
     caches = []

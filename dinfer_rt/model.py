@@ -53,7 +53,7 @@ class Model:
         self.backend, self.dtype = backend, dtype
         self.disable_passes = disable_passes  # pass names skipped for this model (e.g. an unfused twin)
         self.block_size = spec.default_block_size
-        self._compiled: dict[tuple[bool, int | None, str, str], Executable] = {}
+        self._compiled: dict[tuple[bool, int | None, str, str, bool], Executable] = {}
         self.pass_counts: dict[str, int] = {}  # rewrites per pass in the last compiled graph
 
     # ---------------------------------------------------------------- graphs
@@ -61,13 +61,27 @@ class Model:
         return self.executable(cached, block_size).graph
 
     def executable(
-        self, cached: bool, block_size: int | None = None, head: str = "logits", score: str = "max"
+        self,
+        cached: bool,
+        block_size: int | None = None,
+        head: str = "logits",
+        score: str = "max",
+        per_row: bool = False,
     ) -> Executable:
         bs = (block_size or self.block_size) if self.spec.block_causal else None
-        key = (cached, bs, head, score if head == "confidence" else "")
+        key = (cached, bs, head, score if head == "confidence" else "", per_row)
         if key not in self._compiled:
             mask = self.mask_id if head == "confidence" else None
-            graph = lower(self.spec, self.dtype, cached=cached, block_size=bs, head=head, mask_id=mask, score=score)
+            graph = lower(
+                self.spec,
+                self.dtype,
+                cached=cached,
+                block_size=bs,
+                head=head,
+                mask_id=mask,
+                score=score,
+                per_row=per_row,
+            )
             graph, self.pass_counts = self.backend.optimize(graph, self.weights, self.disable_passes)
             self._compiled[key] = self.backend.compile(graph, self.weights)
         return self._compiled[key]
@@ -164,6 +178,52 @@ class Model:
             raise GenerationError("confidence: every selected position must be computed")
         inputs["select"] = self._predicted_by(run, select).to(self.backend.device())
         out = self.executable(cache is not None, block_size, head="confidence", score=score)(inputs)
+        return out["confidence"], out["token"]
+
+    @torch.no_grad()
+    def forward_rows(
+        self,
+        input_ids: torch.Tensor,
+        token_index: torch.Tensor,
+        positions: torch.Tensor,
+        key_valid: torch.Tensor,
+        cache: KVCache,
+        *,
+        select: torch.Tensor | None = None,
+        score: str = "max",
+        block_size: int | None = None,
+    ):
+        """One forward in which row b computes its own slots ``token_index[b]`` ([B, T]; the
+        continuous-batching engine's rows sit at different blocks). ``input_ids`` / ``positions``
+        [B, T] are the tokens and RoPE positions at those slots; their K/V are written into
+        ``cache`` ([B, S] rows, ``key_valid`` [B, S]) and every query attends over its row's
+        valid slots. Returns logits [B, T, V] (unshifted: for Dream, output t predicts slot
+        ``token_index[b, t] + 1``), or with ``select`` (indices into T) the confidence head's
+        (score, argmax) [B, M]."""
+        b, t = input_ids.shape
+        for name, x in (("token_index", token_index), ("positions", positions)):
+            if tuple(x.shape) != (b, t):
+                raise GenerationError(f"forward_rows: {name} must be [{b}, {t}] like input_ids, got {list(x.shape)}")
+        if tuple(key_valid.shape) != (b, cache.length) or cache.k[0].shape[0] != b:
+            raise GenerationError(
+                f"forward_rows: key_valid {list(key_valid.shape)} and the cache [{cache.k[0].shape[0]}, "
+                f"{cache.length}] must both be [{b}, S]"
+            )
+        if t and not 0 <= int(token_index.min()) <= int(token_index.max()) < cache.length:
+            raise GenerationError(f"forward_rows: token_index must lie in [0, {cache.length}) (the cache's slots)")
+        dev = self.backend.device()
+        inputs = {
+            "input_ids": input_ids.to(dev),
+            "positions": positions.to(dev),
+            "token_index": token_index.to(dev),
+            "key_valid": key_valid.to(dev),
+        }
+        for i in range(self.spec.n_layers):
+            inputs[f"k_cache.{i}"], inputs[f"v_cache.{i}"] = cache.k[i], cache.v[i]
+        if select is None:
+            return self.executable(True, block_size, per_row=True)(inputs)["logits"]
+        inputs["select"] = select.long().to(dev)
+        out = self.executable(True, block_size, head="confidence", score=score, per_row=True)(inputs)
         return out["confidence"], out["token"]
 
     def _predicted_by(self, run: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -265,9 +265,9 @@ def _infer_attention(ts, attrs):
         f"key_valid must be bool [B, S], got {key_valid}",
     )
     _need(
-        token_index.rank == 1 and not token_index.is_float,
+        token_index.rank in (1, 2) and not token_index.is_float,
         "attention",
-        f"token_index must be integer [T], got {token_index}",
+        f"token_index must be integer [T] (shared by every row) or [B, T] (per row), got {token_index}",
     )
     out = [q]
     if len(ts) == 7:
@@ -287,11 +287,14 @@ def _infer_attention(ts, attrs):
 def attention_mask(
     key_valid: torch.Tensor, query_index: torch.Tensor, key_index: torch.Tensor, block_size: int | None
 ) -> torch.Tensor:
-    """Bool [B, 1, T, S]: padding mask, plus block-causal (key block <= query block) when set."""
+    """Bool [B, 1, T, S]: padding mask, plus block-causal (key block <= query block) when set.
+    ``query_index`` is [T] or, with per-row query windows, [B, T]; ``key_index`` [S] or [B, S]."""
     allowed = key_valid[:, None, None, :]
     if block_size is not None:
-        causal = (key_index[None, :] // block_size) <= (query_index[:, None] // block_size)
-        allowed = allowed & causal[None, None]
+        qi = query_index if query_index.dim() == 2 else query_index[None]
+        ki = key_index if key_index.dim() == 2 else key_index[None]
+        causal = (ki[:, None, :] // block_size) <= (qi[:, :, None] // block_size)
+        allowed = allowed & causal[:, None]
     # A query that may see nothing (a fully padded row) would give NaN; let it see everything.
     return allowed | ~allowed.any(-1, keepdim=True)
 
@@ -307,11 +310,19 @@ def splice_kv(
 
     With a cache ([B, S, KV, D] buffers indexed by position) this forward's K/V are written in
     place at ``token_index`` and the whole cache is attended over (positions 0..S-1); without
-    one, the fresh K/V at ``token_index``. Every attention kernel starts here."""
+    one, the fresh K/V at ``token_index``. Every attention kernel starts here.
+
+    A [B, T] ``token_index`` gives each row its own slots (per-row query windows: continuous
+    batching runs rows that sit at different blocks in one forward); the writes are a scatter."""
     if k_cache is None:
         return k, v, token_index
-    k_cache.index_copy_(1, token_index, k)
-    v_cache.index_copy_(1, token_index, v)
+    if token_index.dim() == 2:
+        idx = token_index[:, :, None, None].expand(k.shape)
+        k_cache.scatter_(1, idx, k)
+        v_cache.scatter_(1, idx, v)
+    else:
+        k_cache.index_copy_(1, token_index, k)
+        v_cache.index_copy_(1, token_index, v)
     return k_cache, v_cache, torch.arange(k_cache.shape[1], device=k.device)
 
 

@@ -69,7 +69,8 @@ def kernel_specs(t: dict, dt: str = "bf16") -> list[tuple[str, dict, dict, int]]
             {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "key_valid_ptr": "*i1", "first_block_ptr": "*i64"}
             | {"q_pos_ptr": "*i64"}
             | {"k_pos_ptr": "*i64", "n_q": i32, "n_k": i32, "heads": i32, "groups": i32, "head_dim": i32}
-            | {"scale": f32, "block_size": i32, "k_stride_b": i32, "k_stride_s": i32},
+            | {"scale": f32, "block_size": i32, "k_stride_b": i32, "k_stride_s": i32}
+            | {"q_pos_stride_b": i32, "k_pos_stride_b": i32},
             {k: attn[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "HEADS")} | {"BLOCK_CAUSAL": True} | gemm_common,
             attn["num_warps"],
         ),

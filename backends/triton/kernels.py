@@ -261,6 +261,8 @@ def attention_kernel(
     block_size,
     k_stride_b,
     k_stride_s,
+    q_pos_stride_b,
+    k_pos_stride_b,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -276,7 +278,8 @@ def attention_kernel(
     [B] is the lowest block holding a valid key (huge when none), so such rows are known up front
     and the sweep stays single. P is rounded to V's dtype before P @ V, as tensor cores take it.
     q/o are contiguous [B, T, H, D]; k/v are [B, S, KV, D] with the given batch/sequence strides,
-    so a KV cache is read in place.
+    so a KV cache is read in place. Query / key positions are [T] / [S] (stride 0) or per row
+    [B, T] / [B, S] (continuous batching: each row its own query window).
 
     HEADS > 1 (the interpreter's setting) stacks HEADS heads along both tile axes and masks the
     cross-head blocks: one program then does HEADS heads' work per Python step. GPU rows use 1."""
@@ -294,7 +297,8 @@ def attention_kernel(
     q = tl.load(q_ptr + io, mask=iomask, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    q_block = tl.load(q_pos_ptr + rows, mask=rmask, other=0).to(tl.int32) // block_size  # 32-bit: cheap division
+    q_pos = tl.load(q_pos_ptr + b * q_pos_stride_b + rows, mask=rmask, other=0)
+    q_block = q_pos.to(tl.int32) // block_size  # 32-bit: cheap division
     blind = tl.load(first_block_ptr + b) > q_block.to(tl.int64)  # rows that see every key
     c = tl.arange(0, HEADS * BLOCK_N)
     h_k = hb * HEADS + c // BLOCK_N
@@ -315,7 +319,7 @@ def attention_kernel(
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         allowed = (tl.load(key_valid_ptr + b * n_k + cols, mask=cmask, other=0) != 0)[None, :]
         if BLOCK_CAUSAL:
-            k_block = tl.load(k_pos_ptr + cols, mask=cmask, other=0).to(tl.int32) // block_size
+            k_block = tl.load(k_pos_ptr + b * k_pos_stride_b + cols, mask=cmask, other=0).to(tl.int32) // block_size
             allowed = allowed & (k_block[None, :] <= q_block[:, None])
         s = tl.where((allowed | blind[:, None]) & cmask[None, :] & same_head, s, neg)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))

@@ -28,7 +28,7 @@ def first_allowed_block(key_valid: torch.Tensor, key_pos: torch.Tensor, block_si
     masking, when any key is valid); huge when a row has none. A query whose block is below it
     sees no key."""
     none = torch.iinfo(torch.int64).max // 2
-    first = torch.where(key_valid, key_pos[None, :], none).amin(-1)
+    first = torch.where(key_valid, key_pos if key_pos.dim() == 2 else key_pos[None, :], none).amin(-1)
     lowest = first // block_size if block_size is not None else torch.zeros_like(first)
     return torch.where(first == none, none, lowest).contiguous()
 
@@ -163,6 +163,7 @@ def make_kernels(
         args = (qc, keys, values, out, key_valid.contiguous(), first_allowed_block(key_valid, key_pos, block_size))
         args += (token_index.contiguous(), key_pos.contiguous(), t, keys.shape[1], heads, heads // keys.shape[2], d)
         args += (scale, block_size or 1, keys.stride(0), keys.stride(1))
+        args += (t if token_index.dim() == 2 else 0, key_pos.shape[-1] if key_pos.dim() == 2 else 0)
 
         def launch(cfg: dict) -> None:
             grid = (triton.cdiv(t, cfg["BLOCK_M"]), b * triton.cdiv(heads, cfg["HEADS"]))

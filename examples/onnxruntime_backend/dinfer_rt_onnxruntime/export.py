@@ -109,8 +109,16 @@ def _rope(b, ins, node):
     return [out]
 
 
-def _splice(b, cache: str, fresh: str, index: str) -> str:
-    """cache[:, index] = fresh, functionally (ScatterND along the sequence axis)."""
+def _splice(b, cache: str, fresh: str, index: str, per_row: bool = False) -> str:
+    """cache[:, index] = fresh, functionally (ScatterND along the sequence axis); ``per_row``:
+    ``index`` is [B, T] (each row its own slots), scattered at (row, index) pairs."""
+    if per_row:
+        rows = b.emit(
+            "Range", [b.const(0), b.emit("Squeeze", [b.emit("Shape", [index], end=1), b.const([0])]), b.const(1)]
+        )
+        rows = b.emit("Expand", [b.emit("Unsqueeze", [rows, b.const([1])]), b.emit("Shape", [index])])
+        pairs = b.emit("Concat", [b.emit("Unsqueeze", [t, b.const([-1])]) for t in (rows, index)], axis=-1)
+        return b.emit("ScatterND", [cache, pairs, fresh])
     perm = [1, 0, 2, 3]
     data, upd = b.emit("Transpose", [cache], perm=perm), b.emit("Transpose", [fresh], perm=perm)
     idx = b.emit("Unsqueeze", [index, b.const([1])])
@@ -122,8 +130,9 @@ def _attention(b, ins, node):
     h, kv = node.inputs[0].type.shape[2], node.inputs[1].type.shape[2]
     hd = node.inputs[0].type.shape[3]
     outs = []
+    per_row = node.inputs[4].type.rank == 2
     if len(ins) == 7:
-        keys, values = _splice(b, ins[5], k, token_index), _splice(b, ins[6], v, token_index)
+        keys, values = _splice(b, ins[5], k, token_index, per_row), _splice(b, ins[6], v, token_index, per_row)
         s = b.emit("Squeeze", [b.emit("Slice", [b.emit("Shape", [ins[5]]), b.const([1]), b.const([2])]), b.const([0])])
         key_index = b.emit("Range", [b.const(0), s, b.const(1)])
         outs = [keys, values]
@@ -145,10 +154,16 @@ def _attention(b, ins, node):
     if node.attrs.get("block_size"):
         size = b.const(node.attrs["block_size"])
         kb, qb = b.emit("Div", [key_index, size]), b.emit("Div", [token_index, size])
-        causal = b.emit(
-            "LessOrEqual", [b.emit("Unsqueeze", [kb, b.const([0])]), b.emit("Unsqueeze", [qb, b.const([1])])]
-        )
-        allowed = b.emit("And", [allowed, b.emit("Unsqueeze", [causal, b.const([0, 1])])])
+        if per_row:  # [B, T] queries (and, uncached, [B, T] keys): a [B, 1, T, S] rule
+            kb = b.emit("Unsqueeze", [kb, b.const([1] if len(ins) != 7 else [0, 1])])
+            causal = b.emit("LessOrEqual", [kb, b.emit("Unsqueeze", [qb, b.const([2])])])
+            causal = b.emit("Unsqueeze", [causal, b.const([1])])
+        else:
+            causal = b.emit(
+                "LessOrEqual", [b.emit("Unsqueeze", [kb, b.const([0])]), b.emit("Unsqueeze", [qb, b.const([1])])]
+            )
+            causal = b.emit("Unsqueeze", [causal, b.const([0, 1])])
+        allowed = b.emit("And", [allowed, causal])
     seen = b.emit("ReduceMax", [b.emit("Cast", [allowed], to=TensorProto.FLOAT), b.const([-1])], keepdims=1)
     allowed = b.emit("Or", [allowed, b.emit("Not", [b.emit("Cast", [seen], to=TensorProto.BOOL)])])
     probs = b.emit("Softmax", [b.emit("Where", [allowed, scores, b.const(NEG_INF, np.float32)])], axis=-1)

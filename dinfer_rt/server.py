@@ -1,0 +1,363 @@
+"""``dinfer-rt serve``: an OpenAI-compatible HTTP server over the continuous-batching engine.
+
+FastAPI + uvicorn (the ``serve`` extra). The engine steps on its own thread; each request is a
+listener whose events (tokens became final, finished) are posted to the asyncio loop. Streaming
+is server-sent events in OpenAI's chunk format: a chunk carries only text that can no longer
+change (tokens up to the first position still masked, held back while they could still be part of
+a stop string or a split character), so the concatenated chunks equal the non-streamed text.
+
+Back-pressure and faults: a bounded wait queue (429 past ``max_queue``), a client that goes away
+cancels its row, a step that raises fails only the requests of that step (500 naming the error),
+SIGTERM stops admitting and finishes the running rows within ``drain_timeout`` seconds.
+"""
+
+# No ``from __future__ import annotations`` here: FastAPI reads the endpoints' annotations
+# (``fastapi.Request``) at runtime, and ``fastapi`` is imported inside ``build_app`` only.
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from dinfer_rt.engine import Engine, EngineClosed, QueueFull, Request
+from dinfer_rt.errors import DinferError, GenerationError
+from dinfer_rt.model import Model
+from dinfer_rt.openai_protocol import ApiError, Submission, chunk, new_id, parse, response, usage, usage_chunk
+from dinfer_rt.sampling import SamplingParams
+from dinfer_rt.stopping import before_eos, streamable
+
+MASK_MARK = "\u2591"  # how a still-masked position is drawn in a streamed canvas
+
+
+def _need_serve_extra():
+    try:
+        import fastapi
+        import prometheus_client
+        import uvicorn
+    except ImportError as e:
+        raise DinferError(
+            f"dinfer-rt serve needs the 'serve' extra ({e.name} is missing): pip install 'dinfer-rt[serve]' "
+            "or bash scripts/setup.sh"
+        ) from None
+    return fastapi, uvicorn, prometheus_client
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = "dinfer-rt"
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 4096
+    max_queue: int = 256
+    max_model_len: int | None = None
+    drain_timeout: float = 30.0
+    shutdown_after_requests: int | None = None  # exit once this many requests were answered (tests)
+    shutdown_after_s: float | None = None  # exit after this many seconds (tests)
+
+
+class EngineLoop:
+    """The engine on its own thread: steps while there is work, sleeps on an event otherwise."""
+
+    def __init__(self, engine: Engine, metrics: "Metrics") -> None:
+        self.engine, self.metrics = engine, metrics
+        self.wake = threading.Event()
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="dinfer-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped:
+            if not self.engine.has_work():
+                self.wake.wait(0.05)
+                self.wake.clear()
+                continue
+            t0 = time.perf_counter()
+            before = self.engine.stats.committed
+            self.engine.step()
+            self.metrics.on_step(time.perf_counter() - t0, self.engine, self.engine.stats.committed - before)
+
+    def drain(self, timeout: float) -> None:
+        """Stop admitting, let the running rows finish (at most ``timeout`` s), stop the thread."""
+        self.engine.close()
+        end = time.perf_counter() + timeout
+        while self.engine.num_running and time.perf_counter() < end:
+            time.sleep(0.02)
+        self.stopped = True
+        self.wake.set()
+        self.thread.join(timeout=5)
+
+
+class Metrics:
+    """Prometheus metrics (text format at /metrics) and rates over the last few seconds."""
+
+    def __init__(self) -> None:
+        import prometheus_client as pc
+
+        self.registry = r = pc.CollectorRegistry()
+        self.waiting = pc.Gauge("dinfer_waiting_requests", "requests waiting for a slot", registry=r)
+        self.running = pc.Gauge("dinfer_running_requests", "rows decoding", registry=r)
+        self.forwards = pc.Counter("dinfer_forwards", "engine forwards (steps)", registry=r)
+        self.tokens = pc.Counter("dinfer_committed_tokens", "tokens committed", registry=r)
+        self.requests = pc.Counter("dinfer_requests", "finished requests", ["finish_reason"], registry=r)
+        self.forwards_per_s = pc.Gauge("dinfer_forwards_per_second", "forwards/s, last 5 s", registry=r)
+        self.tokens_per_s = pc.Gauge("dinfer_tokens_per_second", "committed tokens/s, last 5 s", registry=r)
+        self.tokens_per_forward = pc.Gauge("dinfer_tokens_per_forward", "tokens per row-forward, last 5 s", registry=r)
+        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.latency = pc.Histogram("dinfer_request_latency_seconds", "arrival to finish", buckets=buckets, registry=r)
+        self.ttft = pc.Histogram(
+            "dinfer_time_to_first_token_seconds", "arrival to first final text", buckets=buckets, registry=r
+        )
+        self.step_time = pc.Histogram("dinfer_step_seconds", "one engine step", buckets=buckets, registry=r)
+        self._recent: deque[tuple[float, int, int]] = deque()  # (time, committed, rows)
+
+    def on_step(self, seconds: float, engine: Engine, committed: int) -> None:
+        now = time.perf_counter()
+        self.forwards.inc()
+        self.tokens.inc(committed)
+        self.step_time.observe(seconds)
+        self._recent.append((now, committed, engine.num_running))
+        while self._recent and self._recent[0][0] < now - 5:
+            self._recent.popleft()
+        span = max(now - self._recent[0][0], seconds, 1e-6)
+        toks = sum(c for _, c, _ in self._recent)
+        rows = sum(n for _, _, n in self._recent)
+        self.forwards_per_s.set(len(self._recent) / span)
+        self.tokens_per_s.set(toks / span)
+        self.tokens_per_forward.set(toks / rows if rows else 0.0)
+        self.waiting.set(engine.num_waiting)
+        self.running.set(engine.num_running)
+
+    def text(self, engine: Engine) -> bytes:
+        import prometheus_client as pc
+
+        self.waiting.set(engine.num_waiting)
+        self.running.set(engine.num_running)
+        return pc.generate_latest(self.registry)
+
+
+class _Stream:
+    """Bridges one engine request to the asyncio side: engine events land in an asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def __call__(self, req: Request, event: str) -> None:  # engine thread
+        snapshot = (event, list(req.final_ids), None if req.canvas is None else list(req.canvas))
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, snapshot)
+
+
+def build_app(model: Model, defaults: SamplingParams, config: ServeConfig):
+    """The FastAPI application over one model (the engine starts with the app's lifespan)."""
+    fastapi, _, _ = _need_serve_extra()
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    engine = Engine(
+        model,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_queue=config.max_queue,
+        max_model_len=config.max_model_len,
+        block_length=defaults.block_length,
+    )
+    metrics = Metrics()
+    loop_holder = EngineLoop(engine, metrics)
+    tok = model.tokenizer
+    eos = set(model.eos_ids)
+    answered = {"n": 0}
+    state = {"server": None}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        loop_holder.start()
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, loop_holder.drain, config.drain_timeout)
+
+    app = fastapi.FastAPI(title="dinfer-rt", lifespan=lifespan)
+    app.state.engine, app.state.metrics, app.state.serve = engine, metrics, state
+
+    def error(e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    def count_answered() -> None:
+        answered["n"] += 1
+        limit = config.shutdown_after_requests
+        if limit is not None and answered["n"] >= limit and state["server"] is not None:
+            state["server"].should_exit = True
+
+    def submit(sub: Submission, listener) -> Request:
+        try:
+            req = engine.submit(
+                sub.prompt_ids, sub.params, max_tokens=sub.max_tokens, listener=listener,
+                return_canvas=sub.return_canvas,
+            )  # fmt: skip
+        except QueueFull as e:
+            raise ApiError(429, f"{e}; retry later", None, "rate_limit_error") from None
+        except EngineClosed as e:
+            raise ApiError(503, str(e), None, "server_error") from None
+        except GenerationError as e:
+            raise ApiError(400, str(e), None) from None
+        loop_holder.wake.set()
+        return req
+
+    def failure(req: Request) -> ApiError:
+        if req.finish_reason == "abort":
+            return ApiError(
+                503, f"request {req.id} was cancelled: {req.error or 'client disconnected'}", None, "server_error"
+            )
+        return ApiError(500, f"the engine step failed: {type(req.error).__name__}: {req.error}", None, "server_error")
+
+    def finish_metrics(req: Request) -> None:
+        metrics.requests.labels(req.finish_reason or "unknown").inc()
+        if req.finished is not None:
+            metrics.latency.observe(req.finished - req.arrival)
+
+    async def body_of(request) -> object:
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+    async def complete(request, chat: bool):
+        try:
+            sub = parse(
+                await body_of(request), chat=chat, tokenizer=tok, defaults=defaults, model_name=config.model_name,
+                max_len=engine.max_model_len,
+            )  # fmt: skip
+            stream = _Stream(asyncio.get_running_loop())
+            req = submit(sub, stream)
+        except ApiError as e:
+            count_answered()
+            return error(e)
+        rid = new_id(chat)
+        if sub.stream:
+            return StreamingResponse(
+                _events(request, req, stream, sub, rid, chat), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )  # fmt: skip
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(stream.queue.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        engine.abort(req.id)
+                        return error(ApiError(499, "client disconnected"))
+                    continue
+                if event[0] == "finish":
+                    break
+        finally:
+            count_answered()
+        finish_metrics(req)
+        _first_text(metrics, req)
+        if req.finish_reason in ("error", "abort"):
+            return error(failure(req))
+        return response(rid, config.model_name, chat, req.text, _openai_reason(req), _usage(req, sub))
+
+    async def _events(request, req: Request, stream: _Stream, sub: Submission, rid: str, chat: bool):
+        name, sent, first = config.model_name, 0, True
+        try:
+            if chat:
+                yield _sse(chunk(rid, name, chat, None, None))
+            while True:
+                event, final, canvas = await stream.queue.get()
+                done = event == "finish"
+                if done:
+                    text = req.text
+                    if req.finish_reason in ("error", "abort"):
+                        yield _sse(failure(req).body())
+                        break
+                else:
+                    kept = before_eos(final, eos)[: sub.max_tokens]
+                    text = streamable(tok.decode(kept), sub.params.stop, final=False)
+                delta, sent = text[sent:], max(sent, len(text))
+                extra = {"canvas": _canvas(tok, canvas, model.mask_id)} if sub.return_canvas and canvas else {}
+                if delta and first:
+                    first = False
+                    metrics.ttft.observe(time.perf_counter() - req.arrival)
+                if delta or extra or done:
+                    reason = _openai_reason(req) if done else None
+                    yield _sse(chunk(rid, name, chat, delta, reason, **extra))
+                if done:
+                    if sub.include_usage:
+                        yield _sse(usage_chunk(rid, name, chat, _usage(req, sub)))
+                    break
+            yield "data: [DONE]\n\n"
+        finally:  # a client that went away: the generator is closed; free its row
+            if not req.done:
+                engine.abort(req.id)
+                loop_holder.wake.set()
+            else:
+                finish_metrics(req)
+            count_answered()
+
+    @app.post("/v1/completions")
+    async def completions(request: fastapi.Request):
+        return await complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: fastapi.Request):
+        return await complete(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "dinfer-rt"}
+        card["max_model_len"] = engine.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        if not loop_holder.thread.is_alive() or engine.closed:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok", "running": engine.num_running, "waiting": engine.num_waiting}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.text(engine), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _first_text(metrics: Metrics, req: Request) -> None:
+    if req.finished is not None and req.text:
+        metrics.ttft.observe(req.finished - req.arrival)  # non-streamed: the whole answer is the first text
+
+
+def _openai_reason(req: Request) -> str:
+    return "stop" if req.finish_reason == "stop" else "length"
+
+
+def _usage(req: Request, sub: Submission) -> dict:
+    return usage(len(sub.prompt_ids), len(req.output_ids))
+
+
+def _canvas(tok, ids: list[int], mask_id: int) -> str:
+    return "".join(MASK_MARK if i == mask_id else tok.decode([i]) for i in ids)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def serve(model: Model, defaults: SamplingParams, config: ServeConfig) -> int:
+    """Run the server until SIGTERM / Ctrl-C (or the test bounds); returns the exit status."""
+    _, uvicorn, _ = _need_serve_extra()
+    app = build_app(model, defaults, config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=config.host, port=config.port, log_level="warning",
+            timeout_graceful_shutdown=max(1, int(config.drain_timeout)),
+        )
+    )  # fmt: skip
+    app.state.serve["server"] = server
+    if config.shutdown_after_s is not None:
+        timer = threading.Timer(config.shutdown_after_s, lambda: setattr(server, "should_exit", True))
+        timer.daemon = True
+        timer.start()
+    print(f"dinfer-rt serving '{config.model_name}' on http://{config.host}:{config.port}", flush=True)
+    server.run()
+    return 0
