@@ -16,6 +16,7 @@ SIGTERM stops admitting and finishes the running rows within ``drain_timeout`` s
 import asyncio
 import contextlib
 import json
+import signal
 import threading
 import time
 from collections import deque
@@ -78,8 +79,10 @@ class EngineLoop:
                 continue
             t0 = time.perf_counter()
             before = self.engine.stats.committed
-            self.engine.step()
+            finished = self.engine.step()
             self.metrics.on_step(time.perf_counter() - t0, self.engine, self.engine.stats.committed - before)
+            for req in finished:
+                self.metrics.on_finish(req)
 
     def drain(self, timeout: float) -> None:
         """Stop admitting, let the running rows finish (at most ``timeout`` s), stop the thread."""
@@ -131,6 +134,11 @@ class Metrics:
         self.tokens_per_forward.set(toks / rows if rows else 0.0)
         self.waiting.set(engine.num_waiting)
         self.running.set(engine.num_running)
+
+    def on_finish(self, req: Request) -> None:
+        self.requests.labels(req.finish_reason or "unknown").inc()
+        if req.finished is not None:
+            self.latency.observe(req.finished - req.arrival)
 
     def text(self, engine: Engine) -> bytes:
         import prometheus_client as pc
@@ -211,11 +219,6 @@ def build_app(model: Model, defaults: SamplingParams, config: ServeConfig):
             )
         return ApiError(500, f"the engine step failed: {type(req.error).__name__}: {req.error}", None, "server_error")
 
-    def finish_metrics(req: Request) -> None:
-        metrics.requests.labels(req.finish_reason or "unknown").inc()
-        if req.finished is not None:
-            metrics.latency.observe(req.finished - req.arrival)
-
     async def body_of(request) -> object:
         try:
             return await request.json()
@@ -252,7 +255,6 @@ def build_app(model: Model, defaults: SamplingParams, config: ServeConfig):
                     break
         finally:
             count_answered()
-        finish_metrics(req)
         _first_text(metrics, req)
         if req.finish_reason in ("error", "abort"):
             return error(failure(req))
@@ -291,8 +293,6 @@ def build_app(model: Model, defaults: SamplingParams, config: ServeConfig):
             if not req.done:
                 engine.abort(req.id)
                 loop_holder.wake.set()
-            else:
-                finish_metrics(req)
             count_answered()
 
     @app.post("/v1/completions")
@@ -346,8 +346,25 @@ def _sse(obj: dict) -> str:
 def serve(model: Model, defaults: SamplingParams, config: ServeConfig) -> int:
     """Run the server until SIGTERM / Ctrl-C (or the test bounds); returns the exit status."""
     _, uvicorn, _ = _need_serve_extra()
+
+    class DrainingServer(uvicorn.Server):
+        """SIGTERM / SIGINT start uvicorn's graceful shutdown (the lifespan drains the engine); the
+        process then exits 0, where uvicorn would re-raise the signal after shutting down."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
     app = build_app(model, defaults, config)
-    server = uvicorn.Server(
+    server = DrainingServer(
         uvicorn.Config(
             app, host=config.host, port=config.port, log_level="warning",
             timeout_graceful_shutdown=max(1, int(config.drain_timeout)),

@@ -225,3 +225,12 @@ def test_shared_commit_kernel_persistent_over_vector_cores(rule, monkeypatch):
     launch = tk.commit_launch(vector_cores=3)
     got = commit(conf, masked, quota, x0, seq[:, 2 : 2 + slots], rule=rule, threshold=0.6, **launch)
     assert torch.equal(got, want) and torch.equal(seq[:, 2 : 2 + slots], torch.where(want, want_x0, -1))
+
+
+def test_per_row_query_windows_match_cpu(ascend, ckpt_dir):
+    """Continuous batching's per-row token_index [B, T] through torch_npu's attention (simulated)."""
+    from dinfer_rt.testing import rows
+
+    path = ckpt_dir("llada2")
+    model = dinfer_rt.load_model(path, backend="ascend", dtype="float32")
+    assert rows.per_row_error(model, dinfer_rt.load_model(path, backend="cpu")) <= 1e-5

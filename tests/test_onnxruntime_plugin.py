@@ -88,3 +88,13 @@ def test_a_flavour_the_plugin_cannot_run_is_refused():
     """The flavour named in the choice is the one probed (it used to be a fresh default instance)."""
     with pytest.raises(BackendError, match="unavailable: execution provider NoSuchProvider not in this build"):
         plugins.select_backend("onnxruntime:NoSuchProvider")
+
+
+@pytest.mark.parametrize("name", ["llada", "llada2"])
+def test_per_row_query_windows_match_cpu(ckpt_dir, name):
+    """Continuous batching's per-row token_index [B, T]: a (row, slot) ScatterND and a per-row mask."""
+    from dinfer_rt.testing import rows
+
+    path = ckpt_dir(name)
+    model = dinfer_rt.load_model(path, backend="onnxruntime")
+    assert rows.per_row_error(model, dinfer_rt.load_model(path, backend="cpu")) <= 1e-5

@@ -1,0 +1,188 @@
+"""The continuous-batching engine in-process: per-row query windows equal single-row forwards,
+every request's greedy output equals ``LLM.generate`` of it alone whatever runs beside it,
+admission and retirement order, cancellation, faults and bad requests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import dinfer_rt
+from dinfer_rt.demo import task
+from dinfer_rt.engine import Engine, EngineClosed, QueueFull
+from dinfer_rt.errors import GenerationError
+from dinfer_rt.llm import LLM
+from dinfer_rt.sampling import SamplingParams
+from dinfer_rt.stopping import streamable
+from dinfer_rt.testing import rows
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return LLM()
+
+
+@pytest.mark.parametrize("name", ["llada", "llada_gqa_sharded", "dream", "llada_moe", "llada2"])
+def test_per_row_windows_equal_single_row_forwards(ckpt_dir, name):
+    model = dinfer_rt.load_model(ckpt_dir(name), backend="cpu")
+    assert rows.per_row_error(model, model) <= 1e-5
+
+
+def test_per_row_graph_takes_a_row_index_and_refuses_bad_shapes(ckpt_dir):
+    model = dinfer_rt.load_model(ckpt_dir("llada"), backend="cpu")
+    graph = model.executable(True, per_row=True).graph
+    assert next(v for v in graph.inputs if v.name == "token_index").type.rank == 2
+    cache = model.new_cache(2, 9)
+    ids = torch.zeros((2, 4), dtype=torch.long)
+    with pytest.raises(GenerationError, match="token_index must be \\[2, 4\\]"):
+        model.forward_rows(ids, torch.zeros((2, 3), dtype=torch.long), ids, torch.ones(2, 9, dtype=torch.bool), cache)
+    with pytest.raises(GenerationError, match="token_index must lie in \\[0, 9\\)"):
+        model.forward_rows(ids, torch.full((2, 4), 9), ids, torch.ones(2, 9, dtype=torch.bool), cache)
+
+
+# (rule / cache configurations) x prompts: each request decoded beside the others equals it alone
+CONFIGS = [
+    dict(strategy="threshold", block_length=8),
+    dict(strategy="low_confidence", block_length=8, cache="dual"),
+    dict(strategy="threshold", block_length=8, cache="adaptive", refresh_bound=4),
+    dict(strategy="entropy", block_length=8, cache="vicinity", vicinity_warmup=2, vicinity_before=4),
+    dict(strategy="credit", block_length=8, cache="prefix"),
+    dict(strategy="random", block_length=8, temperature=0.7, seed=5),
+    dict(strategy="hierarchical", block_length=8, sync_every=2),
+    dict(strategy="topk_margin", block_length=8, steps=20, confidence_head=False),
+]
+
+
+def test_embedded_requests_equal_their_lone_generation(embedded):
+    items = task.heldout(8)
+    prompts = [embedded.encode(it.letters, True) for it in items]
+    engine = Engine(embedded.model, max_num_seqs=5)
+    cases = []
+    for i, cfg in enumerate(CONFIGS):  # every config beside every other, arriving in waves
+        for j, prompt in enumerate(prompts[:3]):
+            params = SamplingParams(**cfg, gen_length=40 if (i + j) % 2 else 32)
+            cases.append((prompt, params, engine.submit(prompt, params)))
+        engine.step()
+    engine.run_until_idle()
+    for prompt, params, req in cases:
+        alone = embedded.generate([prompt], dataclasses.replace(params))[0]
+        assert req.output_ids == alone.token_ids, (params, req.text, alone.text)
+        assert req.text == alone.text
+    assert engine.stats.steps < sum(r.forwards for _, _, r in cases)  # rows really shared forwards
+
+
+@pytest.mark.parametrize("name", ["dream", "llada_moe", "llada2"])
+@pytest.mark.parametrize("cache", ["none", "dual", "adaptive"])
+def test_other_families_equal_their_lone_generation(ckpt_dir, name, cache):
+    llm = LLM(ckpt_dir(name), backend="cpu")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(6, 60, (n,), generator=g).tolist() for n in (3, 9, 6, 12)]
+    params = SamplingParams(gen_length=16, block_length=4, strategy="threshold", threshold=0.2, cache=cache)
+    engine = Engine(llm.model, max_num_seqs=3, block_length=4)
+    reqs = [engine.submit(p, params, max_tokens=13) for p in prompts]
+    engine.run_until_idle()
+    for p, req in zip(prompts, reqs):
+        alone = llm.generate([p], params)[0].token_ids[:13]
+        assert req.output_ids == alone
+
+
+def test_admission_is_fifo_bounded_by_slots_and_tokens(embedded):
+    params = SamplingParams(strategy="threshold", block_length=8, cache="dual")
+    prompt = embedded.encode("abcdefghij", True)
+    engine = Engine(embedded.model, max_num_seqs=2, max_num_batched_tokens=60)
+    reqs = [engine.submit(prompt, params) for _ in range(4)]
+    engine.step()  # one row: its first forward computes 52 slots, two would exceed 60
+    assert [r.status for r in reqs] == ["running", "waiting", "waiting", "waiting"]
+    engine.step()  # the first row now computes a block; the second fits
+    assert [r.status for r in reqs[:2]] == ["running", "running"] and engine.num_running == 2
+    engine.run_until_idle()
+    assert all(r.done for r in reqs)
+    assert [r.admitted for r in reqs] == sorted(r.admitted for r in reqs)
+
+
+def test_rows_retire_the_moment_they_finish(embedded):
+    prompt = embedded.encode("qwertyuiop", True)
+    params = SamplingParams(strategy="low_confidence", block_length=8, gen_length=40)
+    engine = Engine(embedded.model, max_num_seqs=4)
+    short = engine.submit(prompt, params, max_tokens=3)
+    stop = engine.submit(prompt, dataclasses.replace(params, stop=("|",)))
+    full = engine.submit(prompt, params)
+    order = []
+    while engine.has_work():
+        order += [r.id for r in engine.step()]
+    assert order == [short.id, stop.id, full.id]
+    assert short.finish_reason == "length" and len(short.output_ids) == 3 and short.forwards <= 8
+    assert stop.finish_reason == "stop" and "|" not in stop.text and full.text.startswith(stop.text + "|")
+    assert full.finish_reason == "stop" and task.check("qwertyuiop", full.text)  # EOS
+
+
+def test_abort_frees_the_slot_and_the_rest_keep_their_answers(embedded):
+    prompt = embedded.encode("zxcvbnmlkj", True)
+    params = SamplingParams(strategy="low_confidence", block_length=8)
+    engine = Engine(embedded.model, max_num_seqs=2)
+    a, b, c = (engine.submit(prompt, params) for _ in range(3))
+    engine.step()
+    engine.step()
+    engine.abort(a.id)
+    engine.abort(c.id)  # still waiting
+    engine.step()
+    assert a.finish_reason == "abort" and c.finish_reason == "abort" and engine.num_running == 1
+    engine.run_until_idle()
+    assert b.output_ids == embedded.generate([prompt], params)[0].token_ids
+
+
+def test_a_failing_step_fails_only_its_requests(embedded, monkeypatch):
+    prompt = embedded.encode("asdfghjklq", True)
+    params = SamplingParams(strategy="threshold", block_length=8)
+    engine = Engine(embedded.model, max_num_seqs=2)
+    first = [engine.submit(prompt, params) for _ in range(2)]
+    real, calls = embedded.model.forward_rows, {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device lost")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(embedded.model, "forward_rows", flaky)
+    engine.step()
+    later = engine.submit(prompt, params)
+    failed = engine.step()
+    assert failed == first and all(r.finish_reason == "error" and "device lost" in str(r.error) for r in first)
+    engine.run_until_idle()
+    assert later.finish_reason == "stop" and later.output_ids == embedded.generate([prompt], params)[0].token_ids
+
+
+def test_bad_requests_are_refused_at_submit(embedded, ckpt_dir):
+    engine = Engine(embedded.model, max_num_seqs=1, max_queue=1)
+    ok = embedded.encode("abcdefghij", True)
+    cases = [
+        (ok, SamplingParams(threshold=2.0), {}, "threshold 2.0 must be in"),
+        (ok, SamplingParams(cfg_scale=1.0), {}, "cfg_scale"),
+        ([], SamplingParams(), {}, "prompt: at least one token"),
+        ([99], SamplingParams(), {}, "token 0 is 99"),
+        (ok, SamplingParams(gen_length=56, block_length=8), {}, "exceeds the max model length 64"),
+        (ok, SamplingParams(), {"max_tokens": 41}, "max_tokens 41 must be in \\[1, gen_length 40\\]"),
+    ]
+    for prompt, params, kw, message in cases:
+        with pytest.raises(GenerationError, match=message):
+            engine.submit(prompt, params, **kw)
+    engine.submit(ok, SamplingParams())
+    with pytest.raises(QueueFull, match="max_queue 1"):
+        engine.submit(ok, SamplingParams())
+    engine.close()
+    with pytest.raises(EngineClosed):
+        engine.submit(ok, SamplingParams())
+    block_causal = Engine(dinfer_rt.load_model(ckpt_dir("llada2"), backend="cpu"), block_length=4)
+    with pytest.raises(GenerationError, match="served with block_length 4 only"):
+        block_causal.submit([7, 8], SamplingParams(gen_length=16, block_length=8))
+
+
+def test_streamable_text_never_holds_a_stop_string_or_a_split_character():
+    assert streamable("abc|x", ("|xy",), final=False) == "abc"  # could still become "|xy"
+    assert streamable("abc|xz", ("|xy",), final=False) == "abc|xz"
+    assert streamable("ab#cd", ("#",), final=False) == "ab"
+    assert streamable("ab\ufffd", (), final=False) == "ab"
+    assert streamable("ab\ufffd", (), final=True) == "ab\ufffd"

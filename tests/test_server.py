@@ -1,0 +1,301 @@
+"""``dinfer-rt serve`` as a real subprocess on a free localhost port, driven by the official
+``openai`` client (and raw HTTP for malformed requests): completions and chat, streaming, 32
+concurrent clients against offline greedy output, disconnects, queue overflow, a failing step,
+bad requests, SIGTERM drain. Every server is bounded in time (``--shutdown-after-s``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from dinfer_rt.demo import task
+from dinfer_rt.llm import LLM
+from dinfer_rt.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULTS = ["--strategy", "threshold", "--block-length", "8"]
+POISON = 3  # the embedded tokenizer's <|unk|>: never generated, so only a prompt can carry it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args: str, launcher: list[str] | None = None, lifetime: float = 300) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = launcher or [sys.executable, "-m", "dinfer_rt"]
+        cmd = [*cmd, "serve", "--port", str(self.port), "--shutdown-after-s", str(lifetime), *DEFAULTS, *args]
+        env = {**os.environ, "DINFER_TEST_POISON": str(POISON), "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        deadline = time.time() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.time() > deadline:
+                self.stop()
+                raise RuntimeError("server did not become healthy in 120 s")
+            time.sleep(0.2)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        self.model = self.client.models.list().data[0].id
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--max-num-seqs", "8")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM()
+
+
+def _params(**kw) -> SamplingParams:
+    return SamplingParams(**{"strategy": "threshold", "block_length": 8, **kw})
+
+
+def _chat(letters: str) -> list[dict]:
+    return [{"role": "user", "content": letters}]
+
+
+def test_models_health_and_metrics(server):
+    assert server.model == "dinfer-rt-embedded"
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    assert "dinfer_running_requests" in httpx.get(server.url + "/metrics").text
+
+
+def test_chat_and_completions_answer_like_offline(server, offline):
+    item = task.heldout(1)[0]
+    want = offline.generate([item.letters], _params())[0]
+    chat = server.client.chat.completions.create(model=server.model, messages=_chat(item.letters))
+    assert chat.choices[0].message.content == want.text and task.check(item.letters, want.text)
+    assert chat.choices[0].finish_reason == "stop"
+    assert chat.usage.completion_tokens == len(want.token_ids) and chat.usage.prompt_tokens == 12
+    prompt = offline.model.tokenizer.apply_chat_template(_chat(item.letters))  # same ids, as raw text
+    done = server.client.completions.create(model=server.model, prompt=prompt, max_tokens=40)
+    assert done.choices[0].text == want.text and done.usage.total_tokens == 12 + len(want.token_ids)
+    cut = server.client.completions.create(model=server.model, prompt=prompt, max_tokens=5)
+    short = offline.generate([item.letters], _params(gen_length=8))[0].text  # 5 rounds up to one block
+    assert cut.choices[0].text == short[:5] and cut.choices[0].finish_reason == "length"
+    stop = server.client.completions.create(model=server.model, prompt=prompt, stop=["|"])
+    assert stop.choices[0].text == want.text.split("|")[0] and stop.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_streamed_chunks_concatenate_to_the_answer_and_are_never_revised(server, offline, chat):
+    letters = task.heldout(2)[1].letters
+    knobs = {"strategy": "low_confidence", "cache": "adaptive"}  # out-of-order commits, many steps
+    want = offline.generate([letters], _params(**knobs))[0].text
+    if chat:
+        stream = server.client.chat.completions.create(
+            model=server.model, messages=_chat(letters), stream=True, stream_options={"include_usage": True},
+            extra_body=knobs,
+        )  # fmt: skip
+    else:
+        prompt = offline.model.tokenizer.apply_chat_template(_chat(letters))
+        stream = server.client.completions.create(
+            model=server.model, prompt=prompt, stream=True, stream_options={"include_usage": True}, extra_body=knobs
+        )
+    text, pieces, usage = "", 0, None
+    for ch in stream:
+        if ch.usage is not None:
+            usage = ch.usage
+        if not ch.choices:
+            continue
+        piece = (ch.choices[0].delta.content if chat else ch.choices[0].text) or ""
+        text += piece
+        pieces += bool(piece)
+        assert want.startswith(text)  # every prefix sent is final: nothing is ever taken back
+    assert text == want and pieces > 1 and usage.completion_tokens == len(offline.model.tokenizer.encode(want)) + 0
+
+
+def test_canvas_stream_marks_the_masks(server):
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", timeout=60,
+        json={"prompt": "<|startoftext|>qazwsxedcr=", "stream": True, "return_canvas": True, "max_tokens": 16},
+    ) as r:  # fmt: skip
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    canvases = [json.loads(e)["choices"][0]["canvas"] for e in events[:-1] if "canvas" in e]
+    assert len(canvases) >= 2 and "\u2591" in canvases[0] and len(canvases[0]) == 16
+
+
+def test_32_concurrent_clients_get_their_offline_answers(server, offline):
+    items = task.heldout(32)
+    rules = [{}, {"strategy": "low_confidence"}, {"strategy": "entropy"}, {"cache": "adaptive"}]
+    jobs = []
+    for i, item in enumerate(items):
+        knobs, max_tokens = rules[i % 4], (32, 40)[i % 2]
+        chat = i % 3 != 0
+        # every fifth prompt carries extra leading tokens: a different prompt length, offline-checked only
+        prefix = "<|startoftext|>" * (1 + (i % 5 == 4))
+        jobs.append((item, knobs, max_tokens, chat, prefix))
+
+    def ask(job):
+        item, knobs, max_tokens, chat, prefix = job
+        if chat and prefix == "<|startoftext|>":
+            r = server.client.chat.completions.create(
+                model=server.model, messages=_chat(item.letters), max_tokens=max_tokens, extra_body=knobs
+            )
+            return r.choices[0].message.content
+        r = server.client.completions.create(
+            model=server.model, prompt=prefix + item.prompt, max_tokens=max_tokens, extra_body=knobs
+        )
+        return r.choices[0].text
+
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(ask, jobs))
+    for (item, knobs, max_tokens, _, prefix), got in zip(jobs, answers):
+        ids = offline.model.tokenizer.encode(prefix + item.prompt)
+        want = offline.generate([ids], _params(**knobs, gen_length=max_tokens))[0].text
+        assert got == want, (item.letters, knobs, prefix)
+        if len(prefix) == len("<|startoftext|>"):
+            assert task.check(item.letters, got), (item.letters, knobs, got)
+
+
+def test_a_client_that_disconnects_frees_its_slot(server):
+    aborted = server.metric('dinfer_requests_total{finish_reason="abort"}')
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", timeout=60,
+        json={"prompt": "<|startoftext|>plmoknijbu=", "stream": True, "max_tokens": 48, "strategy": "low_confidence",
+              "block_length": 48},
+    ) as r:  # fmt: skip
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"text": ""' not in line:
+                break  # one chunk of text, then hang up mid-stream
+    deadline = time.time() + 30
+    while server.metric('dinfer_requests_total{finish_reason="abort"}') < aborted + 1 and time.time() < deadline:
+        time.sleep(0.1)
+    assert server.metric('dinfer_requests_total{finish_reason="abort"}') == aborted + 1
+    assert server.metric("dinfer_running_requests") == 0
+
+
+BAD = [
+    ("completions", {"prompt": "abc", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "abc", "max_tokens": 500}, "max_tokens"),
+    ("completions", {"prompt": "abc", "max_tokens": "ten"}, "max_tokens"),
+    ("completions", {"prompt": "abc", "temperature": -1}, "temperature"),
+    ("completions", {"prompt": "abc", "threshold": 1.5}, "threshold"),
+    ("completions", {"prompt": "abc", "strategy": "greedy"}, "strategy"),
+    ("completions", {"prompt": "abc", "cache": "lru"}, "cache"),
+    ("completions", {"prompt": "abc", "block_length": 0}, "block_length"),
+    ("completions", {"prompt": "abc", "n": 2}, "n"),
+    ("completions", {"prompt": "abc", "stop": [""]}, "stop"),
+    ("completions", {"prompt": "abc", "seed": -3}, "seed"),
+    ("completions", {"prompt": "abc", "stream": "yes"}, "stream"),
+    ("completions", {"prompt": "abc", "top_p": 0.5}, "top_p"),
+    ("completions", {"prompt": "abc", "frobnicate": 1}, "frobnicate"),
+    ("completions", {"prompt": "abc", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": 12}, "prompt"),
+    ("completions", {"prompt": [1, 99]}, "prompt"),
+    ("completions", {"prompt": "a" * 70}, "prompt"),
+    ("completions", {"prompt": "abc", "model": "gpt-4"}, "model"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("chat/completions", {"messages": [{"role": "user"}]}, "messages[0]"),
+]
+
+
+@pytest.mark.parametrize("endpoint, body, field", BAD, ids=[f"{e}-{f}" for e, _, f in BAD])
+def test_bad_requests_are_400s_naming_the_field(server, endpoint, body, field):
+    r = httpx.post(f"{server.url}/v1/{endpoint}", json=body, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == (404 if field == "model" else 400), err
+    assert err["param"] == field and field.split(".")[-1].split("[")[0] in err["message"], err
+
+
+def test_body_that_is_not_json_is_a_400(server):
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    """One row at a time, two waiting at most; forwards holding the poison token raise."""
+    s = Server("--max-num-seqs", "1", "--max-queue", "2", "--drain-timeout", "20",
+               launcher=[sys.executable, str(ROOT / "tests" / "fault_server.py")])  # fmt: skip
+    yield s
+    s.stop()
+
+
+def test_queue_overflow_answers_429_and_nothing_hangs(small_server):
+    def ask(i):
+        try:
+            r = small_server.client.chat.completions.create(model=small_server.model, messages=_chat("qwertyuiop"))
+            return r.choices[0].message.content
+        except openai.RateLimitError as e:
+            assert "max_queue 2" in str(e)
+            return 429
+
+    with ThreadPoolExecutor(20) as pool:
+        outcomes = list(pool.map(ask, range(20)))
+    answered = [o for o in outcomes if o != 429]
+    assert 3 <= len(answered) < 20 and all(task.check("qwertyuiop", a) for a in answered)
+    assert httpx.get(small_server.url + "/health").json()["status"] == "ok"
+
+
+def test_a_failing_step_is_a_500_and_the_server_keeps_serving(small_server):
+    with pytest.raises(openai.InternalServerError, match="poisoned input"):
+        small_server.client.completions.create(model=small_server.model, prompt=[1, POISON, 7, 4])
+    r = small_server.client.chat.completions.create(model=small_server.model, messages=_chat("asdfghjklz"))
+    assert task.check("asdfghjklz", r.choices[0].message.content)
+
+
+def test_sigterm_finishes_running_rows_then_exits_0(small_server):
+    """Last test of the module: the server is gone afterwards."""
+    body = {"prompt": "<|startoftext|>mnbvcxzlkj=", "stream": True, "max_tokens": 48, "strategy": "low_confidence"}
+    text = ""
+    with httpx.stream("POST", small_server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+                break
+        small_server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"  # the running row was finished, not cut
+    text += "".join(json.loads(x[6:])["choices"][0]["text"] for x in rest if x.startswith("data: {"))
+    assert task.check("mnbvcxzlkj", text)
+    assert small_server.proc.wait(timeout=30) == 0
