@@ -359,6 +359,9 @@ class Engine:
             token_index[i, : len(w)], input_ids[i, : len(w)], positions[i, : len(w)] = w, row.x[w], w
             key_valid[i, : row.n] = True
         cache = KVCache([k[:b, :s_len] for k in self.cache.k], [v[:b, :s_len] for v in self.cache.v])
+        if not m.spec.block_causal and all(r.p.cache == "none" for r in rows):
+            # every row computes its whole sequence: no cache to write, keys are the row's own queries
+            cache, key_valid = None, torch.arange(t)[None, :] < torch.tensor([len(w) for w in windows])[:, None]
         lb = max(r.e - r.s for r in rows)
         confidence = all(r.use_confidence for r in rows) and len({r.score for r in rows}) == 1
         if confidence:

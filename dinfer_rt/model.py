@@ -187,7 +187,7 @@ class Model:
         token_index: torch.Tensor,
         positions: torch.Tensor,
         key_valid: torch.Tensor,
-        cache: KVCache,
+        cache: KVCache | None,
         *,
         select: torch.Tensor | None = None,
         score: str = "max",
@@ -199,11 +199,18 @@ class Model:
         ``cache`` ([B, S] rows, ``key_valid`` [B, S]) and every query attends over its row's
         valid slots. Returns logits [B, T, V] (unshifted: for Dream, output t predicts slot
         ``token_index[b, t] + 1``), or with ``select`` (indices into T) the confidence head's
-        (score, argmax) [B, M]."""
+        (score, argmax) [B, M].
+
+        Without a cache (``cache=None``: every row computes all of its slots, in any order; not
+        for block-causal families, whose mask needs shared slots) the keys are each row's own T
+        queries, ``key_valid`` [B, T] marks the real ones, and nothing is written: the
+        continuous-batching engine's no-cache path, as cheap as a padded offline batch."""
         b, t = input_ids.shape
         for name, x in (("token_index", token_index), ("positions", positions)):
             if tuple(x.shape) != (b, t):
                 raise GenerationError(f"forward_rows: {name} must be [{b}, {t}] like input_ids, got {list(x.shape)}")
+        if cache is None:
+            return self._forward_rows_uncached(input_ids, positions, key_valid, select, score)
         if tuple(key_valid.shape) != (b, cache.length) or cache.k[0].shape[0] != b:
             raise GenerationError(
                 f"forward_rows: key_valid {list(key_valid.shape)} and the cache [{cache.k[0].shape[0]}, "
@@ -224,6 +231,27 @@ class Model:
             return self.executable(True, block_size, per_row=True)(inputs)["logits"]
         inputs["select"] = select.long().to(dev)
         out = self.executable(True, block_size, head="confidence", score=score, per_row=True)(inputs)
+        return out["confidence"], out["token"]
+
+    def _forward_rows_uncached(self, input_ids, positions, key_valid, select, score):
+        b, t = input_ids.shape
+        if self.spec.block_causal:
+            raise GenerationError("forward_rows: a block-causal model needs the cache (its mask uses shared slots)")
+        if tuple(key_valid.shape) != (b, t):
+            raise GenerationError(
+                f"forward_rows: without a cache key_valid must be [{b}, {t}], got {list(key_valid.shape)}"
+            )
+        dev = self.backend.device()
+        inputs = {
+            "input_ids": input_ids.to(dev),
+            "positions": positions.to(dev),
+            "token_index": torch.arange(t, device=dev),  # only a block-causal mask would read it
+            "key_valid": key_valid.to(dev),
+        }
+        if select is None:
+            return self.executable(False)(inputs)["logits"]
+        inputs["select"] = select.long().to(dev)
+        out = self.executable(False, head="confidence", score=score)(inputs)
         return out["confidence"], out["token"]
 
     def _predicted_by(self, run: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

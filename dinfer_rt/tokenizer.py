@@ -80,7 +80,7 @@ class Tokenizer:
         import jinja2
 
         try:
-            template = _template_environment().from_string(self.chat_template)
+            template = _compiled_template(self.chat_template)
         except jinja2.TemplateError as e:
             raise TokenizerError(f"{self._cfg_path}: chat_template does not parse: {e}") from None
         specials = {k: _content(self.config.get(k)) or "" for k in _SPECIAL_KEYS}
@@ -97,6 +97,12 @@ class _TemplateRaised(Exception):
 
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "mask_token", "sep_token", "cls_token")
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_template(source: str):
+    """Compile a chat template once (a server renders it for every request)."""
+    return _template_environment().from_string(source)
 
 
 @functools.cache

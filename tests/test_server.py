@@ -6,10 +6,7 @@ bad requests, SIGTERM drain. Every server is bounded in time (``--shutdown-after
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,60 +19,19 @@ import pytest
 from dinfer_rt.demo import task
 from dinfer_rt.llm import LLM
 from dinfer_rt.sampling import SamplingParams
+from dinfer_rt.testing.serving import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = ["--strategy", "threshold", "--block-length", "8"]
 POISON = 3  # the embedded tokenizer's <|unk|>: never generated, so only a prompt can carry it
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, *args: str, launcher: list[str] | None = None, lifetime: float = 300) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = launcher or [sys.executable, "-m", "dinfer_rt"]
-        cmd = [*cmd, "serve", "--port", str(self.port), "--shutdown-after-s", str(lifetime), *DEFAULTS, *args]
-        env = {**os.environ, "DINFER_TEST_POISON": str(POISON), "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        deadline = time.time() + 120
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}: {self.proc.stdout.read()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline:
-                self.stop()
-                raise RuntimeError("server did not become healthy in 120 s")
-            time.sleep(0.2)
+class Server(ServerProcess):
+    def __init__(self, *args: str, launcher: list[str] | None = None) -> None:
+        env = {"DINFER_TEST_POISON": str(POISON), "PYTHONPATH": str(ROOT)}
+        super().__init__(*DEFAULTS, *args, launcher=launcher, cwd=ROOT, env=env)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         self.model = self.client.models.list().data[0].id
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name) and not line.startswith("#"):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture(scope="module")

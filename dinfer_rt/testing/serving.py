@@ -1,0 +1,74 @@
+"""A ``dinfer-rt serve`` subprocess on a free localhost port, bounded in time: used by the server
+tests and ``benchmarks/serve_bench.py``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """Start the server (``launcher`` replaces ``python -m dinfer_rt``), wait for ``/health``."""
+
+    def __init__(
+        self,
+        *args: str,
+        launcher: list[str] | None = None,
+        lifetime: float = 300,
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
+        ready_timeout: float = 120,
+    ) -> None:
+        import httpx
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [*(launcher or [sys.executable, "-m", "dinfer_rt"]), "serve", "--port", str(self.port)]
+        cmd += ["--shutdown-after-s", str(lifetime), *args]
+        self.proc = subprocess.Popen(
+            cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        deadline = time.time() + ready_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.time() > deadline:
+                self.stop()
+                raise RuntimeError(f"server did not become healthy in {ready_timeout} s")
+            time.sleep(0.2)
+
+    def metric(self, name: str) -> float:
+        """Sum of the samples of one Prometheus metric (``name`` may include labels)."""
+        import httpx
+
+        total = 0.0
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
