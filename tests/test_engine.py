@@ -52,6 +52,8 @@ CONFIGS = [
     dict(strategy="random", block_length=8, temperature=0.7, seed=5),
     dict(strategy="hierarchical", block_length=8, sync_every=2),
     dict(strategy="topk_margin", block_length=8, steps=20, confidence_head=False),
+    dict(strategy="factor", block_length=8, factor=2.0, cache="dual"),
+    dict(strategy="maskgit_plus", block_length=8, cache="adaptive", refresh_window=4),
 ]
 
 
