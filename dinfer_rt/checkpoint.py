@@ -85,6 +85,7 @@ class Checkpoint:
         self.dir = model_dir
         self.files: dict[str, Path] = {}  # tensor name -> file
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.bytes_read = 0  # tensor bytes read so far (slices count what they read)
         index = model_dir / "model.safetensors.index.json"
         if index.is_file():
             shard_names = self._read_index(index)
@@ -133,8 +134,13 @@ class Checkpoint:
     def names(self) -> set[str]:
         return set(self.files)
 
-    def read(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield tensors one at a time, grouped by file (each file opened once, memory-mapped)."""
+    def read(
+        self, names: list[str], slices: dict[str, tuple[int, int, int]] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield tensors one at a time, grouped by file (each file opened once, memory-mapped).
+        ``slices[name] = (dim, lo, hi)`` reads only that range of dim 0 or 1 (safetensors'
+        ``get_slice``: a tensor-parallel rank reads its shard, not the whole tensor)."""
+        slices = slices or {}
         from safetensors import SafetensorError, safe_open
 
         by_file: dict[Path, list[str]] = {}
@@ -147,4 +153,11 @@ class Checkpoint:
                 except (SafetensorError, OSError) as e:
                     raise CheckpointError(f"{path}: cannot open as safetensors ({e})") from None
                 for n in group:
-                    yield n, fh.get_tensor(n)
+                    if n in slices:
+                        dim, lo, hi = slices[n]
+                        view = fh.get_slice(n)
+                        t = view[lo:hi] if dim == 0 else view[:, lo:hi]
+                    else:
+                        t = fh.get_tensor(n)
+                    self.bytes_read += t.numel() * t.element_size()
+                    yield n, t

@@ -95,6 +95,8 @@ def _params(a: argparse.Namespace) -> SamplingParams:
 def cmd_generate(a: argparse.Namespace) -> int:
     from dinfer_rt.llm import LLM
 
+    if a.tensor_parallel_size > 1:
+        return _generate_tensor_parallel(a)
     llm = LLM(a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights)
     outs = llm.generate(a.prompts, _params(a))
     for o in outs:
@@ -107,6 +109,21 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 f"  [{s.tokens} tokens, {s.nfe} forwards, {s.tokens_per_forward:.2f} tokens/forward, {s.wall_s:.2f} s]",
                 file=sys.stderr,
             )
+    return 0
+
+
+def _generate_tensor_parallel(a: argparse.Namespace) -> int:
+    """N worker processes, one shard each (gloo on the CPU, the backend's library on devices)."""
+    from dinfer_rt import parallel
+    from dinfer_rt.loader import default_model_path
+    from dinfer_rt.spec import parse_spec
+
+    parallel.check_split(parse_spec(a.model or default_model_path()), a.tensor_parallel_size)  # before spawning
+    outs = parallel.launch(
+        a.tensor_parallel_size, parallel.generate_worker, a.model, a.prompts, _params(a), a.backend, a.dtype
+    )
+    for prompt, (text, ids) in zip(a.prompts, outs):
+        print(json.dumps({"prompt": prompt, "text": text, "token_ids": ids}) if a.json else text)
     return 0
 
 
@@ -363,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("prompts", nargs="+")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    g.add_argument("--tensor-parallel-size", type=_int_in(1), default=1, help="shard the model over N worker processes")
     _add_model_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)

@@ -60,6 +60,7 @@ def load_model(
     tokenizer: bool = True,
     disable_passes: tuple[str, ...] | list[str] = (),
     check_weights: bool = True,
+    tensor_parallel: tuple[int, int] | None = None,
 ) -> Model:
     """Load a checkpoint folder (config.json + safetensors + tokenizer.json).
 
@@ -68,10 +69,24 @@ def load_model(
     vLLM) is the checkpoint's own ``torch_dtype`` on a device backend and float32 on the CPU
     (where 16-bit matmuls are slow and the reference is fp32). ``disable_passes`` names graph
     passes to skip for this model (e.g. to build an unfused twin). ``check_weights`` scans
-    every weight for NaN / infinity at load (off for trusted checkpoints).
+    every weight for NaN / infinity at load (off for trusted checkpoints). ``tensor_parallel``
+    ``(rank, world)`` loads rank ``rank``'s shard (``dinfer_rt.parallel``; the process group must
+    be initialised, as ``dinfer_rt.parallel.launch`` does).
     """
     model_dir = Path(path) if path is not None else default_model_path()
     spec = parse_spec(model_dir)
+    tp = None
+    if tensor_parallel is not None and tensor_parallel[1] > 1:
+        from dinfer_rt.parallel import TensorParallel, check_split, group_size
+
+        rank, world = tensor_parallel
+        check_split(spec, world)  # before any weight is read
+        if group_size() != world:
+            raise ConfigError(
+                f"tensor_parallel={tensor_parallel}: the process group has {group_size()} rank(s), not {world}; "
+                "start the ranks with dinfer_rt.parallel.launch (or torchrun) and init_group first"
+            )
+        tp = TensorParallel(rank, world)
     be = select_backend(backend)
     dt = auto_dtype(spec, be) if dtype in (None, "auto") else resolve_dtype(dtype)
     if dt not in be.capabilities().dtypes:
@@ -84,7 +99,8 @@ def load_model(
     weights = Checkpoint(model_dir)
     from dinfer_rt.weights import load_weights
 
-    w = {k: v.to(be.device()) for k, v in load_weights(weights, spec, dt, check_weights).items()}
-    model = Model(model_dir, spec, w, tok, be, dt, tuple(disable_passes))
+    w = {k: v.to(be.device()) for k, v in load_weights(weights, spec, dt, check_weights, tp).items()}
+    model = Model(model_dir, spec, w, tok, be, dt, tuple(disable_passes), tensor_parallel=tp)
+    model.bytes_read = weights.bytes_read  # what this process read from the checkpoint files
     model.executable(cached=False)  # lower, verify and compile now: errors surface at load
     return model

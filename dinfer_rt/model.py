@@ -48,10 +48,13 @@ class Model:
         backend: Backend,
         dtype: torch.dtype,
         disable_passes: tuple[str, ...] = (),
+        tensor_parallel=None,
     ) -> None:
         self.path, self.spec, self.weights, self.tokenizer = path, spec, weights, tokenizer
         self.backend, self.dtype = backend, dtype
         self.disable_passes = disable_passes  # pass names skipped for this model (e.g. an unfused twin)
+        self.tensor_parallel = tensor_parallel  # dinfer_rt.passes.shard.TensorParallel, or None: one rank
+        self.bytes_read = 0  # checkpoint bytes the loader read for this model (a shard reads its slices)
         self.block_size = spec.default_block_size
         self._compiled: dict[tuple[bool, int | None, str, str, bool], Executable] = {}
         self.pass_counts: dict[str, int] = {}  # rewrites per pass in the last compiled graph
@@ -82,6 +85,10 @@ class Model:
                 score=score,
                 per_row=per_row,
             )
+            if self.tensor_parallel is not None:  # shard before fusion: fused kernels see local shapes
+                from dinfer_rt.passes.shard import shard_graph
+
+                graph = shard_graph(graph, self.spec, self.tensor_parallel)
             graph, self.pass_counts = self.backend.optimize(graph, self.weights, self.disable_passes)
             self._compiled[key] = self.backend.compile(graph, self.weights)
         return self._compiled[key]
@@ -127,7 +134,8 @@ class Model:
 
     def new_cache(self, batch: int, length: int) -> KVCache:
         s = self.spec
-        shape = (batch, length, s.n_kv_heads, s.head_dim)
+        kv = s.n_kv_heads if self.tensor_parallel is None else self.tensor_parallel.kv_heads(s)
+        shape = (batch, length, kv, s.head_dim)
         dev = self.backend.device()
         return KVCache(
             [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(s.n_layers)],

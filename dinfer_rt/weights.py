@@ -56,7 +56,7 @@ def check_values(ckpt: Checkpoint, name: str, tensor: torch.Tensor, converted: t
 
 
 def load_weights(
-    ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype, check_weights: bool = True
+    ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype, check_weights: bool = True, tensor_parallel=None
 ) -> dict[str, torch.Tensor]:
     """Read every parameter once, converting each tensor to ``dtype`` as it is read.
 
@@ -75,7 +75,17 @@ def load_weights(
             where[src] = (p, slot)
         if p.transform != "copy":
             weights[p.name] = torch.empty(p.shape, dtype=dtype)
-    for src, tensor in ckpt.read(list(where)):
+    slices = {}
+    if tensor_parallel is not None:
+        from dinfer_rt.passes.shard import shard_range
+
+        for p in plan:
+            rng = shard_range(p.name, spec, tensor_parallel)
+            if rng is not None:
+                if p.transform != "copy":
+                    raise CheckpointError(f"tensor parallel: {p.name} is assembled ({p.transform}); not split yet")
+                slices[p.sources[0]] = rng
+    for src, tensor in ckpt.read(list(where), slices):
         p, slot = where[src]
         check_values(ckpt, src, tensor, None)
         if p.transform == "copy":

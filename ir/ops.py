@@ -350,6 +350,37 @@ def attention(
     return out
 
 
+# ---------------------------------------------------------------- collectives
+
+COLLECTIVE_GROUPS: dict[str, object] = {}
+"""Process groups by the name a collective op's ``group`` attribute carries (``"tp"``); set by
+``dinfer_rt.parallel`` when a model is sharded. Absent (one process): the collectives are the
+identity, which is their semantics over a group of one."""
+
+REDUCE_OPS = ("sum", "max")
+
+
+def _infer_all_reduce(ts, attrs):
+    _need(attrs.get("op") in REDUCE_OPS, "all_reduce", f"op must be one of {REDUCE_OPS}, got {attrs.get('op')!r}")
+    _need(ts[0].is_float, "all_reduce", f"needs a float tensor, got {ts[0]}")
+    return [ts[0]]
+
+
+@_register("all_reduce", 1)(_infer_all_reduce)
+def all_reduce(x: torch.Tensor, *, op: str = "sum", group: str = "tp") -> torch.Tensor:
+    """Elementwise ``op`` (sum, max) of ``x`` over the ranks of process group ``group``, every
+    rank receiving the result (torch.distributed: gloo on the CPU, NCCL / RCCL / HCCL on devices).
+    Out of place: the input is left as it was."""
+    pg = COLLECTIVE_GROUPS.get(group)
+    if pg is None:
+        return x
+    import torch.distributed as dist
+
+    out = x.contiguous().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=pg)
+    return out
+
+
 # ---------------------------------------------------------------- mixture of experts
 
 

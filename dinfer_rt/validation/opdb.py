@@ -58,6 +58,18 @@ def _attention_case(bucket, b, t, s, h, kv, d, cached, block, pad):
     return OpCase("attention", bucket, build, {"scale": 1 / math.sqrt(d), "block_size": block}, fl)
 
 
+def _per_row_attention_case(bucket, b, t, s, h, kv, d, block):
+    """Per-row query windows (token_index [B, T], continuous batching): each row writes and
+    queries its own cache slots."""
+
+    def build(g):
+        q, k, v = _r(g, b, t, h, d), _r(g, b, t, kv, d), _r(g, b, t, kv, d)
+        idx = torch.stack([torch.randperm(s, generator=g)[:t] for _ in range(b)])
+        return [q, k, v, _mixed_lengths(b, s, 2), idx, _r(g, b, s, kv, d), _r(g, b, s, kv, d)]
+
+    return OpCase("attention", bucket, build, {"scale": 1 / math.sqrt(d), "block_size": block}, (0, 1, 2, 5, 6))
+
+
 def cases(quick: bool = False) -> list[OpCase]:
     """Every op and fused op; ``quick`` keeps one or two buckets each."""
     c = [
@@ -65,6 +77,8 @@ def cases(quick: bool = False) -> list[OpCase]:
         OpCase("mul", "odd", lambda g: [_r(g, 3, 7, 5), _r(g, 3, 7, 5)], float_inputs=(0, 1)),
         OpCase("silu", "odd", lambda g: [_r(g, 2, 9, 33, scale=3)], float_inputs=(0,)),
         OpCase("cast", "to-f32", lambda g: [_r(g, 4, 6)], {"dtype": torch.float32}, float_inputs=(0,)),
+        # one process: a group of one, whose all-reduce is the identity (multi-rank: tests/test_parallel.py)
+        OpCase("all_reduce", "one-rank", lambda g: [_r(g, 2, 5, 8)], {"op": "sum"}, float_inputs=(0,)),
         OpCase(
             "embedding",
             "vocab-odd",
@@ -116,6 +130,8 @@ def cases(quick: bool = False) -> list[OpCase]:
         _attention_case("cache-blockcausal", 1, 4, 12, 4, 4, 8, True, 4, 0),
         _attention_case("blockcausal-pad", 2, 12, 12, 4, 2, 8, False, 4, 5),
         _attention_case("cache-blockcausal-pad", 2, 4, 12, 4, 2, 8, True, 4, 6),
+        _per_row_attention_case("per-row-cache-gqa", 3, 5, 13, 4, 2, 16, None),
+        _per_row_attention_case("per-row-cache-blockcausal", 2, 6, 12, 4, 4, 8, 4),
         OpCase(
             "router_softmax_topk",
             "e6k2",

@@ -1,0 +1,147 @@
+"""Tensor parallelism on torch.distributed: weight slices per rank, the process group the IR's
+collectives use, and a launcher for N worker processes on one machine.
+
+The collective library is the backend's (``Capabilities.collectives``: gloo on the CPU, NCCL on
+NVIDIA, RCCL through torch's "nccl" on ROCm, HCCL on Ascend). Every rank runs the same scheduler
+on the same all-reduced outputs, so every rank takes the same decisions (all-reduce leaves the
+same bytes on every rank); rank 0's results are returned.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dinfer_rt.errors import DinferError
+from dinfer_rt.ir import ops
+from dinfer_rt.passes.shard import TensorParallel, check_split
+
+
+class ParallelError(DinferError):
+    """A worker rank failed, died or hung: the message names the rank."""
+
+
+def init_group(backend_name: str, rank: int, world: int) -> None:
+    """Join the default process group (env:// rendezvous: MASTER_ADDR / MASTER_PORT) and make it
+    the group the IR's collectives use."""
+    import torch.distributed as dist
+
+    from dinfer_rt.plugins import select_backend
+
+    library = (select_backend(backend_name).capabilities().collectives or "gloo").split()[0]
+    if not dist.is_initialized():
+        dist.init_process_group(library, rank=rank, world_size=world)
+    ops.COLLECTIVE_GROUPS["tp"] = dist.group.WORLD
+
+
+def group_size() -> int:
+    """Ranks in the group the IR's collectives use (1 when there is none)."""
+    import torch.distributed as dist
+
+    pg = ops.COLLECTIVE_GROUPS.get("tp")
+    return 1 if pg is None or not dist.is_initialized() else dist.get_world_size(pg)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, backend: str | None, fn: Callable, args: tuple, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        init_group(backend or "cpu", rank, world)
+        value = fn(rank, world, *args)
+        buf = io.BytesIO()
+        torch.save(value, buf)  # by value: a shared-memory tensor would vanish with this process
+        results.put((rank, "ok", buf.getvalue()))
+    except BaseException as e:  # every failure goes to the parent, named by rank
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        results.put((rank, "error", f"{type(e).__name__}: {e} ({Path(where.filename).name}:{where.lineno})"))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def launch(world: int, fn: Callable, *args: Any, backend: str | None = None, timeout: float = 300.0) -> Any:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes joined in one process group;
+    return rank 0's result. A rank that raises, dies or does not finish within ``timeout`` seconds
+    ends every rank with one error naming it. ``fn`` must be importable (a module-level function)."""
+    if world < 1:
+        raise ParallelError(f"tensor parallel size must be >= 1, got {world}")
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, results), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < world:
+            try:
+                rank, status, value = results.get(timeout=0.5)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r not in got and p.exitcode not in (None, 0):
+                        raise ParallelError(f"rank {r} died (exit code {p.exitcode}) before returning") from None
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world)) - set(got))
+                    raise ParallelError(f"rank(s) {missing} did not finish within {timeout:.0f} s (hung?)") from None
+                continue
+            if status == "error":
+                raise ParallelError(f"rank {rank} failed: {value}")
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(got) == world else 0.1)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    return torch.load(io.BytesIO(got[0]), weights_only=False)
+
+
+# ---------------------------------------------------------------- workers (module level: spawnable)
+
+
+def load_sharded(path, rank: int, world: int, backend: str | None = None, dtype: str | None = None):
+    from dinfer_rt.loader import load_model
+
+    return load_model(path, backend=backend, dtype=dtype, tensor_parallel=(rank, world))
+
+
+def forward_worker(rank: int, world: int, path, input_ids: torch.Tensor, block_size: int | None = None):
+    """Logits of one forward of the sharded model (every rank computes them; rank 0's return)."""
+    return load_sharded(path, rank, world).forward(input_ids, block_size=block_size)
+
+
+def generate_worker(rank: int, world: int, path, prompts: list, params, backend=None, dtype=None):
+    """``LLM.generate`` on the sharded model: (text, token_ids) per prompt."""
+    from dinfer_rt.llm import LLM
+
+    llm = LLM(load_sharded(path, rank, world, backend, dtype))
+    return [(o.text, o.token_ids) for o in llm.generate(prompts, params)]
+
+
+__all__ = ["ParallelError", "TensorParallel", "check_split", "group_size", "init_group", "launch"]

@@ -1,0 +1,139 @@
+"""Tensor parallelism on gloo with real worker processes: sharded logits equal one process's,
+greedy generation token for token, failures named by rank, configurations that cannot be split."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import dinfer_rt
+from dinfer_rt import parallel
+from dinfer_rt.errors import ConfigError
+from dinfer_rt.ir import Graph, TensorType, ops
+from dinfer_rt.lowering import lower
+from dinfer_rt.passes.shard import TensorParallel, shard_graph
+from dinfer_rt.sampling import SamplingParams
+from dinfer_rt.spec import parse_spec
+from dinfer_rt.testing import checkpoints
+
+
+@pytest.fixture(scope="module")
+def gqa_one_kv_head(tmp_path_factory):
+    """Fewer KV heads than ranks: every rank holds the one KV head (replicated)."""
+    return checkpoints.llada(tmp_path_factory.mktemp("gqa1"), heads=4, kv_heads=1, seed=11)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", ["llada", "dream_sharded_tied", "gqa"])
+def test_sharded_logits_equal_one_process(ckpt_dir, gqa_one_kv_head, name, world):
+    path = gqa_one_kv_head if name == "gqa" else ckpt_dir(name)
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(3))
+    want = dinfer_rt.load_model(path, backend="cpu").forward(ids)
+    got = parallel.launch(world, parallel.forward_worker, path, ids, timeout=240)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
+
+
+def _bytes_worker(rank, world, path):
+    m = parallel_load(path, rank, world)
+    return m.bytes_read, sum(w.numel() * w.element_size() for k, w in m.weights.items() if "|" not in k)
+
+
+def parallel_load(path, rank, world):
+    return parallel.load_sharded(path, rank, world)
+
+
+def test_each_rank_reads_and_holds_about_one_nth_of_the_weights(ckpt_dir):
+    path = ckpt_dir("llada")
+    whole = dinfer_rt.load_model(path, backend="cpu")
+    spec = whole.spec
+    total = whole.bytes_read
+    split = sum(
+        w.numel() * 4 for k, w in whole.weights.items() if "|" not in k and k.startswith("layers.") and
+        k.split(".")[2] in ("q", "k", "v", "o", "gate", "up", "down")
+    )  # fmt: skip
+    read, held = parallel.launch(2, _bytes_worker, path, timeout=240)
+    assert read == total - split // 2 and held == read  # replicated tensors whole, split ones halved
+    assert spec.n_layers and read < 0.75 * total
+
+
+def test_the_pass_splits_heads_and_inserts_two_all_reduces_per_layer(ckpt_dir):
+    spec = parse_spec(ckpt_dir("llada_gqa_sharded"))  # 6 heads, 2 KV heads
+    g = shard_graph(lower(spec, torch.float32, cached=True), spec, TensorParallel(1, 2))
+    assert g.op_counts()["all_reduce"] == 2 * spec.n_layers
+    heads = sorted({n.attrs["heads"] for n in g.nodes if n.op == "view_heads"})
+    assert heads == [1, 3]  # 6 / 2 query heads, 2 / 2 KV heads
+    cache = next(v for v in g.inputs if v.name == "k_cache.0")
+    assert cache.type.shape[2] == 1
+    q = next(p for p in g.params if p.name == "layers.0.q")
+    assert q.type.shape[0] == 3 * spec.head_dim
+
+
+def test_all_reduce_is_the_identity_over_a_group_of_one():
+    g = Graph("ar")
+    x = g.input("x", TensorType(("B", 4), torch.float32))
+    g.output("y", g.op("all_reduce", x, op="sum"))
+    t = torch.randn(3, 4)
+    assert torch.equal(ops.all_reduce(t, op="max"), t)
+    with pytest.raises(Exception, match="op must be one of"):
+        g.op("all_reduce", x, op="mean")
+
+
+def test_greedy_generation_with_two_ranks_equals_one(monkeypatch):
+    llm = dinfer_rt.LLM()
+    prompts = ["qwertyuiop", "asdfghjklz", "abc"]  # "abc": a shorter, left-padded row
+    for params in (
+        SamplingParams(strategy="threshold", block_length=8, cache="dual"),
+        SamplingParams(strategy="low_confidence", block_length=8, cache="dual"),
+    ):
+        want = [(o.text, o.token_ids) for o in llm.generate(prompts, params)]
+        got = parallel.launch(2, parallel.generate_worker, None, prompts, params, timeout=240)
+        assert got == want
+
+
+def _raises_on_rank_1(rank, world):
+    if rank == 1:
+        raise RuntimeError("planted failure")
+    time.sleep(60)
+
+
+def _dies_on_rank_1(rank, world):
+    if rank == 1:
+        os._exit(3)
+    time.sleep(60)
+
+
+def _hangs(rank, world):
+    time.sleep(60)
+
+
+def test_a_failing_rank_ends_the_run_naming_it():
+    t0 = time.monotonic()
+    with pytest.raises(parallel.ParallelError, match="rank 1 failed: RuntimeError: planted failure"):
+        parallel.launch(2, _raises_on_rank_1, timeout=60)
+    with pytest.raises(parallel.ParallelError, match="rank 1 died \\(exit code 3\\)"):
+        parallel.launch(2, _dies_on_rank_1, timeout=60)
+    with pytest.raises(parallel.ParallelError, match="did not finish within 3 s"):
+        parallel.launch(2, _hangs, timeout=3)
+    assert time.monotonic() - t0 < 50  # none waited for the 60 s sleep
+
+
+@pytest.mark.parametrize(
+    "name, world, message",
+    [
+        ("dream", 2, "does not divide the 7 attention heads"),
+        ("llada_gqa_sharded", 4, "does not divide the 6 attention heads"),
+        ("llada_moe", 2, "expert parallelism is not built yet"),
+        ("llada2", 2, "expert parallelism is not built yet"),
+    ],
+)
+def test_configurations_that_cannot_be_split_are_one_line_errors(ckpt_dir, name, world, message):
+    with pytest.raises(ConfigError, match=message):
+        parallel.check_split(parse_spec(ckpt_dir(name)), world)
+
+
+def test_loading_a_shard_without_a_process_group_is_refused(ckpt_dir):
+    with pytest.raises(ConfigError, match="the process group has 1 rank\\(s\\), not 2"):
+        dinfer_rt.load_model(ckpt_dir("llada"), backend="cpu", tensor_parallel=(0, 2))
