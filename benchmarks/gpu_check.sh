@@ -16,3 +16,14 @@ python3 -m pytest -q -p no:cacheprovider tests/test_reference_models.py tests/te
 python3 -m dinfer_rt validate --backends cuda --quick --json "$out/validate-cuda.json" \
     --markdown "$out/validate-cuda.md" || echo "gpu_check: validate verdict: fail (see $out/validate-cuda.md)"
 python3 benchmarks/gpu_check.py --backend cuda --out "$out"
+# Tensor parallelism over every visible GPU (NCCL) when there is more than one: TP=N greedy output
+# must equal TP=1's (the embedded model has 6 heads: N in 2, 3, 6 splits it).
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+for n in 6 3 2; do
+    if [ "$gpus" -ge "$n" ]; then
+        one=$(python3 -m dinfer_rt generate --backend cuda qwertyuiop)
+        many=$(python3 -m dinfer_rt generate --backend cuda --tensor-parallel-size "$n" qwertyuiop)
+        [ "$one" = "$many" ] && echo "gpu_check: TP=$n on $gpus GPUs equals TP=1" || echo "gpu_check: TP=$n differs: '$many' vs '$one'"
+        break
+    fi
+done

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from dataclasses import asdict
@@ -95,7 +96,7 @@ def _params(a: argparse.Namespace) -> SamplingParams:
 def cmd_generate(a: argparse.Namespace) -> int:
     from dinfer_rt.llm import LLM
 
-    if a.tensor_parallel_size > 1:
+    if a.tensor_parallel_size > 1 or a.data_parallel_size > 1:
         return _generate_tensor_parallel(a)
     llm = LLM(a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights)
     outs = llm.generate(a.prompts, _params(a))
@@ -118,10 +119,23 @@ def _generate_tensor_parallel(a: argparse.Namespace) -> int:
     from dinfer_rt.loader import default_model_path
     from dinfer_rt.spec import parse_spec
 
-    parallel.check_split(parse_spec(a.model or default_model_path()), a.tensor_parallel_size)  # before spawning
-    outs = parallel.launch(
-        a.tensor_parallel_size, parallel.generate_worker, a.model, a.prompts, _params(a), a.backend, a.dtype
-    )
+    world = a.tensor_parallel_size
+    parallel.check_split(parse_spec(a.model or default_model_path()), world)  # before spawning
+    if "WORLD_SIZE" in os.environ:  # started by torchrun (env:// rendezvous, one or several machines)
+        rank = int(os.environ["RANK"])
+        if a.data_parallel_size > 1:
+            raise DinferError("--data-parallel-size under torchrun: start one torchrun per replica instead")
+        if int(os.environ["WORLD_SIZE"]) != world:
+            raise DinferError(f"--tensor-parallel-size {world} but torchrun started {os.environ['WORLD_SIZE']} ranks")
+        parallel.init_group(a.backend, rank, world)
+        outs = parallel.generate_worker(rank, world, a.model, a.prompts, _params(a), a.backend, a.dtype)
+        if rank != 0:
+            return 0
+    else:
+        outs = parallel.generate(
+            a.model, a.prompts, _params(a), tensor_parallel_size=world, data_parallel_size=a.data_parallel_size,
+            backend=a.backend, dtype=a.dtype,
+        )  # fmt: skip
     for prompt, (text, ids) in zip(a.prompts, outs):
         print(json.dumps({"prompt": prompt, "text": text, "token_ids": ids}) if a.json else text)
     return 0
@@ -381,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompts", nargs="+")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.add_argument("--tensor-parallel-size", type=_int_in(1), default=1, help="shard the model over N worker processes")
+    g.add_argument(
+        "--data-parallel-size", type=_int_in(1), default=1, help="M replicas (own TP groups) split the prompts"
+    )
     _add_model_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)

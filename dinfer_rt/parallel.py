@@ -30,17 +30,36 @@ class ParallelError(DinferError):
     """A worker rank failed, died or hung: the message names the rank."""
 
 
-def init_group(backend_name: str, rank: int, world: int) -> None:
-    """Join the default process group (env:// rendezvous: MASTER_ADDR / MASTER_PORT) and make it
-    the group the IR's collectives use."""
+def init_group(backend_name: str | None, rank: int, world: int, tp_size: int | None = None) -> None:
+    """Join the default process group (env:// rendezvous: MASTER_ADDR / MASTER_PORT) with the
+    backend's collective library, bind this rank to its device (``LOCAL_RANK``, else ``rank``,
+    among the visible ones: ``CUDA_VISIBLE_DEVICES`` / ``HIP_VISIBLE_DEVICES`` /
+    ``ASCEND_RT_VISIBLE_DEVICES``), and make the group the one the IR's collectives use."""
     import torch.distributed as dist
 
     from dinfer_rt.plugins import select_backend
 
-    library = (select_backend(backend_name).capabilities().collectives or "gloo").split()[0]
+    backend = select_backend(backend_name)
+    library = (backend.capabilities().collectives or "gloo").split()[0]
+    devices = getattr(torch, backend.device_type, None) if backend.device_type != "cpu" else None
+    if devices is not None and hasattr(devices, "set_device"):  # one device per rank on this machine
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        devices.set_device(local % max(1, devices.device_count()))
     if not dist.is_initialized():
         dist.init_process_group(library, rank=rank, world_size=world)
-    ops.COLLECTIVE_GROUPS["tp"] = dist.group.WORLD
+    tp = tp_size or world
+    if tp == world:
+        ops.COLLECTIVE_GROUPS["tp"] = dist.group.WORLD
+        return
+    mine = None
+    for replica in range(world // tp):  # every rank creates every group, in the same order
+        group = dist.new_group(list(range(replica * tp, (replica + 1) * tp)))
+        if replica == rank // tp:
+            mine = group
+    if tp == 1:
+        ops.COLLECTIVE_GROUPS.pop("tp", None)  # a replica of one rank: collectives are the identity
+    else:
+        ops.COLLECTIVE_GROUPS["tp"] = mine
 
 
 def group_size() -> int:
@@ -57,11 +76,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, backend: str | None, fn: Callable, args: tuple, results) -> None:
+def _worker(rank, world, port, backend, fn, args, results, tp_size) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
-        init_group(backend or "cpu", rank, world)
+        init_group(backend, rank, world, tp_size)
         value = fn(rank, world, *args)
         buf = io.BytesIO()
         torch.save(value, buf)  # by value: a shared-memory tensor would vanish with this process
@@ -79,10 +98,23 @@ def _worker(rank: int, world: int, port: int, backend: str | None, fn: Callable,
                 pass
 
 
-def launch(world: int, fn: Callable, *args: Any, backend: str | None = None, timeout: float = 300.0) -> Any:
+def launch(
+    world: int,
+    fn: Callable,
+    *args: Any,
+    backend: str | None = None,
+    timeout: float = 300.0,
+    tp_size: int | None = None,
+    all_ranks: bool = False,
+) -> Any:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes joined in one process group;
-    return rank 0's result. A rank that raises, dies or does not finish within ``timeout`` seconds
-    ends every rank with one error naming it. ``fn`` must be importable (a module-level function)."""
+    return rank 0's result (``all_ranks``: every rank's, in rank order). ``tp_size`` < ``world``
+    splits the ranks into ``world // tp_size`` tensor-parallel groups (data-parallel replicas);
+    the IR's collectives then run within a rank's own group. A rank that raises, dies or does not
+    finish within ``timeout`` seconds ends every rank with one error naming it. ``fn`` must be
+    importable (a module-level function)."""
+    if tp_size is not None and (tp_size < 1 or world % tp_size):
+        raise ParallelError(f"{world} ranks do not split into tensor-parallel groups of {tp_size}")
     if world < 1:
         raise ParallelError(f"tensor parallel size must be >= 1, got {world}")
     import torch.multiprocessing as mp
@@ -91,7 +123,7 @@ def launch(world: int, fn: Callable, *args: Any, backend: str | None = None, tim
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, results), daemon=True)
+        ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, results, tp_size), daemon=True)
         for r in range(world)
     ]
     for p in procs:
@@ -119,6 +151,8 @@ def launch(world: int, fn: Callable, *args: Any, backend: str | None = None, tim
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
+    if all_ranks:
+        return [torch.load(io.BytesIO(got[r]), weights_only=False) for r in range(world)]
     return torch.load(io.BytesIO(got[0]), weights_only=False)
 
 
@@ -144,4 +178,39 @@ def generate_worker(rank: int, world: int, path, prompts: list, params, backend=
     return [(o.text, o.token_ids) for o in llm.generate(prompts, params)]
 
 
-__all__ = ["ParallelError", "TensorParallel", "check_split", "group_size", "init_group", "launch"]
+def replica_worker(rank: int, world: int, tp_size: int, path, prompts: list, params, backend=None, dtype=None):
+    """Data parallelism: replica ``rank // tp_size`` generates every ``replicas``-th prompt on its
+    own tensor-parallel group; its first rank returns ``(prompt index, text, token_ids)`` rows."""
+    replicas, replica, tp_rank = world // tp_size, rank // tp_size, rank % tp_size
+    mine = list(range(replica, len(prompts), replicas))
+    if not mine:
+        return []
+    outs = generate_worker(tp_rank, tp_size, path, [prompts[i] for i in mine], params, backend, dtype)
+    return [(i, *o) for i, o in zip(mine, outs)] if tp_rank == 0 else []
+
+
+def generate(
+    path, prompts: list, params, *, tensor_parallel_size: int = 1, data_parallel_size: int = 1, backend=None, dtype=None
+) -> list[tuple[str, list[int]]]:
+    """``LLM.generate`` over ``data_parallel_size`` replicas of ``tensor_parallel_size`` ranks
+    each (spawned on this machine): (text, token_ids) per prompt, in the prompts' order."""
+    from dinfer_rt.loader import default_model_path
+    from dinfer_rt.spec import parse_spec
+
+    check_split(parse_spec(Path(path) if path else default_model_path()), tensor_parallel_size)
+    if data_parallel_size < 1:
+        raise ParallelError(f"data parallel size must be >= 1, got {data_parallel_size}")
+    world = tensor_parallel_size * data_parallel_size
+    if world == 1:
+        return generate_worker(0, 1, path, prompts, params, backend, dtype)
+    if data_parallel_size == 1:
+        return launch(world, generate_worker, path, prompts, params, backend, dtype, backend=backend)
+    rows = launch(
+        world, replica_worker, tensor_parallel_size, path, prompts, params, backend, dtype,
+        backend=backend, tp_size=tensor_parallel_size, all_ranks=True,
+    )  # fmt: skip
+    by_prompt = {i: (text, ids) for rank_rows in rows for i, text, ids in rank_rows}
+    return [by_prompt[i] for i in range(len(prompts))]
+
+
+__all__ = ["ParallelError", "TensorParallel", "check_split", "generate", "group_size", "init_group", "launch"]

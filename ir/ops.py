@@ -358,6 +358,7 @@ COLLECTIVE_GROUPS: dict[str, object] = {}
 identity, which is their semantics over a group of one."""
 
 REDUCE_OPS = ("sum", "max")
+COLLECTIVE_BYTES: dict[str, int] = {}  # bytes this process all-reduced per group (benchmarks read it)
 
 
 def _infer_all_reduce(ts, attrs):
@@ -378,6 +379,7 @@ def all_reduce(x: torch.Tensor, *, op: str = "sum", group: str = "tp") -> torch.
 
     out = x.contiguous().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=pg)
+    COLLECTIVE_BYTES[group] = COLLECTIVE_BYTES.get(group, 0) + out.numel() * out.element_size()
     return out
 
 

@@ -93,6 +93,39 @@ def test_greedy_generation_with_two_ranks_equals_one(monkeypatch):
         assert got == want
 
 
+def test_generate_under_torchrun_and_with_spawned_workers_print_the_one_process_answer(tmp_path):
+    import subprocess
+    import sys
+
+    want = dinfer_rt.LLM().generate(["qwertyuiop"], SamplingParams())[0].text
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for cmd in (
+        [*torchrun, "-m", "dinfer_rt", "generate", "--tensor-parallel-size", "2", "qwertyuiop"],
+        [sys.executable, "-m", "dinfer_rt", "generate", "--tensor-parallel-size", "2", "qwertyuiop"],
+    ):
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.strip() == want  # rank 0 prints once
+    bad = subprocess.run(
+        [sys.executable, "-m", "dinfer_rt", "generate", "--tensor-parallel-size", "4", "abc"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert (
+        bad.returncode == 2
+        and bad.stderr.strip() == "error: tensor parallel size 4 does not divide the 6 attention heads (n_heads)"
+    )
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_data_parallel_replicas_split_the_prompts_and_keep_their_order(tp):
+    prompts = ["qwertyuiop", "asdfghjklz", "zxcvbnmlkj", "plmoknijbu", "mnbvcxzlkj"]  # 5: uneven split
+    params = SamplingParams(strategy="threshold", block_length=8)
+    want = [(o.text, o.token_ids) for o in dinfer_rt.LLM().generate(prompts, params)]
+    got = parallel.generate(None, prompts, params, tensor_parallel_size=tp, data_parallel_size=2)
+    assert got == want
+
+
 def _raises_on_rank_1(rank, world):
     if rank == 1:
         raise RuntimeError("planted failure")

@@ -1,0 +1,88 @@
+"""Tensor parallelism on this CPU: per-forward time, per-rank weight bytes and the all-reduce
+volume of TP 1 and 2 on a mid-size random LLaDA-layout checkpoint (134M parameters, written here).
+
+    python benchmarks/tp_bench.py [--tokens 96] [--iters 5] [--out benchmarks/results]
+
+The all-reduce volume is measured (bytes each rank all-reduced per forward) and compared with the
+analytic minimum of dense tensor parallelism: 2 all-reduces of [tokens x hidden] per layer. On a
+2-core machine TP 2 gives each rank one core, and gloo moves the partial sums through loopback
+TCP: it is not expected to be faster here; the numbers show the cost structure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dinfer_rt import parallel
+from dinfer_rt.ir import ops
+from dinfer_rt.testing import checkpoints
+
+
+def bench_worker(rank: int, world: int, path: str, tokens: int, iters: int) -> dict:
+    model = parallel.load_sharded(path, rank, world) if world > 1 else _load(path)
+    ids = torch.randint(0, model.spec.vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+    model.forward(ids)  # warm-up
+    ops.COLLECTIVE_BYTES.clear()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        model.forward(ids)
+        times.append(time.perf_counter() - t0)
+    held = sum(w.numel() * w.element_size() for k, w in model.weights.items() if "|" not in k)
+    return {
+        "ms": 1000 * statistics.median(times),
+        "bytes_read": model.bytes_read,
+        "bytes_held": held,
+        "allreduce_bytes_per_forward": ops.COLLECTIVE_BYTES.get("tp", 0) / iters,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _load(path: str):
+    from dinfer_rt.loader import load_model
+
+    return load_model(path, backend="cpu")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(
+            checkpoints.llada(Path(tmp), d=768, layers=12, heads=12, mlp=2048, vocab=32000, max_len=1100, seed=3)
+        )
+        rows = {1: bench_worker(0, 1, path, a.tokens, a.iters)}
+        rows[2] = parallel.launch(2, bench_worker, path, a.tokens, a.iters, timeout=900)
+    minimum = 2 * 12 * a.tokens * 768 * 4  # 2 all-reduces of [tokens x hidden] fp32 per layer
+    lines = [
+        f"Mid-size random LLaDA (134M, d 768, 12 layers, vocab 32000, fp32), one forward of {a.tokens} tokens, "
+        f"median of {a.iters}; rank 0's numbers. One run on this 2-core machine.",
+        "",
+        "| TP | ms per forward | threads per rank | weight bytes read | weight bytes held | all-reduce bytes / forward "
+        "| analytic minimum |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for tp, r in rows.items():
+        lines.append(
+            f"| {tp} | {r['ms']:.1f} | {r['threads']} | {r['bytes_read'] / 1e6:.1f} MB "
+            f"| {r['bytes_held'] / 1e6:.1f} MB | {r['allreduce_bytes_per_forward'] / 1e6:.2f} MB "
+            f"| {(minimum if tp > 1 else 0) / 1e6:.2f} MB |"
+        )
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "tp.md").write_text("\n".join(lines) + "\n")
+    (a.out / "tp.json").write_text(json.dumps({"rows": rows, "analytic_allreduce_bytes": minimum}, indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
