@@ -457,8 +457,13 @@ class Engine:
 
     @staticmethod
     def _notify(req: Request, event: str) -> None:
+        """Hand an event to the request's listener; a listener that fails (its client's event
+        loop gone) must not stop the engine, so its error only detaches it."""
         if req.listener is not None:
-            req.listener(req, event)
+            try:
+                req.listener(req, event)
+            except Exception:
+                req.listener = None
 
     # ---------------------------------------------------------------- in-process use
     def run_until_idle(self, max_steps: int | None = None) -> None:

@@ -188,3 +188,17 @@ def test_streamable_text_never_holds_a_stop_string_or_a_split_character():
     assert streamable("ab#cd", ("#",), final=False) == "ab"
     assert streamable("ab\ufffd", (), final=False) == "ab"
     assert streamable("ab\ufffd", (), final=True) == "ab\ufffd"
+
+
+def test_a_failing_listener_is_detached_and_the_engine_goes_on(embedded):
+    prompt = embedded.encode("qwertyuiop", True)
+    params = SamplingParams(strategy="threshold", block_length=8)
+    engine = Engine(embedded.model)
+
+    def broken(_req, _event):
+        raise RuntimeError("event loop is closed")
+
+    req = engine.submit(prompt, params, listener=broken)
+    engine.run_until_idle()
+    assert req.finish_reason == "stop" and req.listener is None
+    assert req.output_ids == embedded.generate([prompt], params)[0].token_ids
