@@ -1,8 +1,8 @@
 """A per-row query-window case for any backend: rows of different lengths, each computing its own
 slots in its own order with padding, checked against full single-row forwards.
 
-Used by the engine tests on every backend (cpu, cuda / rocm_dcu under the Triton interpreter,
-ascend with the simulated torch_npu, onnxruntime)."""
+Used by the engine tests on every backend: the in-tree ones (cpu, cuda / rocm_dcu under the
+Triton interpreter, ascend with the simulated torch_npu) and the out-of-tree example plugin."""
 
 from __future__ import annotations
 
