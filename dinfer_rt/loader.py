@@ -77,7 +77,8 @@ def load_model(
     spec = parse_spec(model_dir)
     tp = None
     if tensor_parallel is not None and tensor_parallel[1] > 1:
-        from dinfer_rt.parallel import TensorParallel, check_split, group_size
+        from dinfer_rt.ir.ops import group_size
+        from dinfer_rt.passes.shard import TensorParallel, check_split
 
         rank, world = tensor_parallel
         check_split(spec, world)  # before any weight is read

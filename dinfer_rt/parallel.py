@@ -62,12 +62,7 @@ def init_group(backend_name: str | None, rank: int, world: int, tp_size: int | N
         ops.COLLECTIVE_GROUPS["tp"] = mine
 
 
-def group_size() -> int:
-    """Ranks in the group the IR's collectives use (1 when there is none)."""
-    import torch.distributed as dist
-
-    pg = ops.COLLECTIVE_GROUPS.get("tp")
-    return 1 if pg is None or not dist.is_initialized() else dist.get_world_size(pg)
+group_size = ops.group_size  # ranks in the group the IR's collectives use (1: none)
 
 
 def _free_port() -> int:

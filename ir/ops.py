@@ -367,6 +367,16 @@ def _infer_all_reduce(ts, attrs):
     return [ts[0]]
 
 
+def group_size(group: str = "tp") -> int:
+    """Ranks in the process group a collective's ``group`` names (1 when there is none)."""
+    pg = COLLECTIVE_GROUPS.get(group)
+    if pg is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(pg) if dist.is_initialized() else 1
+
+
 @_register("all_reduce", 1)(_infer_all_reduce)
 def all_reduce(x: torch.Tensor, *, op: str = "sum", group: str = "tp") -> torch.Tensor:
     """Elementwise ``op`` (sum, max) of ``x`` over the ranks of process group ``group``, every
