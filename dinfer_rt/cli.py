@@ -47,6 +47,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the NaN/inf scan of the weights (trusted checkpoints)",
     )
+    p.add_argument(
+        "--quantization",
+        choices=("int8", "fp8"),
+        default=None,
+        help="weight-only quantise the decoder projections at load (GPTQ checkpoints load as they are)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -79,12 +85,22 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-early-stop", action="store_true", help="decode every block even after EOS")
     p.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable): a row ends once one is final")
+    p.add_argument(
+        "--precision-schedule",
+        default=None,
+        help="weight format per forward, e.g. int8@0.5,fp32 (int8 while > half the block is masked)",
+    )
+    p.add_argument(
+        "--precision-refresh",
+        action="store_true",
+        help="recompute cached K/V at the first full-precision forward after low-precision ones",
+    )
 
 
 # SamplingParams fields whose CLI flag has the same name (``--gen-length`` -> gen_length)
 _SAME_NAMED = (
     "gen_length block_length steps strategy threshold low_threshold factor temperature cfg_scale cache "
-    "batch_size seed sync_every refresh_bound refresh_window"
+    "batch_size seed sync_every refresh_bound refresh_window precision_schedule precision_refresh"
 ).split()
 
 
@@ -98,7 +114,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     if a.tensor_parallel_size > 1 or a.data_parallel_size > 1:
         return _generate_tensor_parallel(a)
-    llm = LLM(a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights)
+    llm = LLM(a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights, quantization=a.quantization)
     outs = llm.generate(a.prompts, _params(a))
     for o in outs:
         if a.json:
@@ -120,6 +136,8 @@ def _generate_tensor_parallel(a: argparse.Namespace) -> int:
     from dinfer_rt.spec import parse_spec
 
     world = a.tensor_parallel_size
+    if a.quantization is not None:
+        raise DinferError("--quantization with --tensor-parallel-size / --data-parallel-size is not supported yet")
     parallel.check_split(parse_spec(a.model or default_model_path()), world)  # before spawning
     if "WORLD_SIZE" in os.environ:  # started by torchrun (env:// rendezvous, one or several machines)
         rank = int(os.environ["RANK"])
@@ -158,7 +176,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         shutdown_after_requests=a.shutdown_after_requests,
         shutdown_after_s=a.shutdown_after_s,
     )
-    model = load_model(a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights)
+    model = load_model(a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights, quantization=a.quantization)
     return serve(model, defaults, config)
 
 
@@ -174,7 +192,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
             check_writable_dir(a.output.parent, "--output folder")
     elif a.limit is not None and a.limit > 1000:
         raise DinferError(f"eval --limit {a.limit}: the held-out set has 1000 items")
-    llm = LLM(a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights)
+    llm = LLM(a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights, quantization=a.quantization)
     if a.data is not None:
         return _eval_data(llm, a)
     from dinfer_rt.demo.bench import evaluate
@@ -231,7 +249,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from dinfer_rt.llm import LLM
     from dinfer_rt.validation.perf import measure
 
-    llm = LLM(a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights)
+    llm = LLM(a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights, quantization=a.quantization)
     params = _params(a)
     prompts = [llm.encode(it.letters, params.chat) for it in task.heldout(a.batch_size)]
     result = measure(llm.model, prompts, params, a.warmup, a.iters)

@@ -224,6 +224,11 @@ class Engine:
             raise GenerationError(
                 "cfg_scale: classifier-free guidance is not served by the engine (LLM.generate has it)"
             )
+        if params.precision_schedule is not None:
+            raise GenerationError(
+                "precision_schedule: not served by the engine yet (LLM.generate has it); serve a quantised "
+                "model with --quantization instead"
+            )
         if self.block_size is not None and params.block_length != self.block_size:
             raise GenerationError(
                 f"block_length {params.block_length}: this block-causal model is served with block_length "

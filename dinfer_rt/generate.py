@@ -19,6 +19,12 @@ Cache policies (``docs/decoding.md``):
 On a bidirectional model the cached K/V outside the computed range go stale as tokens
 are committed (the approximation Fast-dLLM names); the benchmark measures its accuracy cost.
 
+Precision schedules (``precision.py``): each forward's weight format follows the block's masked
+fraction or step; a low-precision forward whose commits would finish the block is redone in full
+precision (rule state and random state restored first), so every block's last decisions are the
+full-precision model's. ``precision_refresh`` recomputes the cached K/V at the first
+full-precision forward after low-precision ones (the cached policies' stale low-precision K/V).
+
 Decisions on the device: when the backend has a commit kernel (``Backend.commit_kernel``) and
 the rule is greedy threshold or low_confidence through the confidence head, the sequence stays
 on the device, the head scores every block slot (a fixed shape) and the kernel commits in place;
@@ -27,6 +33,7 @@ the host syncs once per block (the schedule) and once per ``sync_every`` steps (
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -37,6 +44,7 @@ import torch
 from dinfer_rt import strategies
 from dinfer_rt.errors import GenerationError
 from dinfer_rt.model import Model
+from dinfer_rt.precision import PrecisionSchedule
 from dinfer_rt.sampling import SamplingParams
 
 
@@ -48,6 +56,7 @@ class BatchResult:
     wall_s: float
     step_s: list[float]  # wall time of each forward
     commit_step: torch.Tensor  # [B, G] forward index at which each slot was committed (-1: never)
+    precision_forwards: dict[str, int] = dataclasses.field(default_factory=dict)  # forwards per precision
 
 
 def _pad_left(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,19 +134,31 @@ def generate_batch(
                 break
             if step >= 4 * lb + per_block:  # safety cap: every rule commits >= 1 per step
                 raise GenerationError(f"block [{s}, {e}) did not finish in {step} steps")
-            out = forward(x, s, e, step)
             masked = (x[:, s:e] == mask_id) & ~done[:, None]
             quota = plan[:, min(step, per_block - 1)] if scheduled else torch.ones(b, dtype=torch.long, device=dev)
+            precision = forward.precision_for(masked, max(s, p_len) - s, step)
+            out = forward(x, s, e, step, precision)
             if on_device:  # the backend's kernel decides and writes the block in place: no host sync
                 commit = forward.commit(out[1], masked, quota, out[0], x[:, s:e], rule=forward.device_rule)
             else:
-                if forward.use_confidence:  # the head already banned the mask token
-                    step_in = strategies.StepInput(None, masked, quota, 0.0, gen, state, x0=out[0], conf=out[1])
-                else:
-                    out[..., mask_id] = float("-inf")  # never commit the mask token
-                    step_in = strategies.StepInput(out, masked, quota, params.temperature, gen, state)
-                x0, commit = rule(step_in)
-                commit &= masked
+
+                def decide(out):
+                    if forward.use_confidence:  # the head already banned the mask token
+                        step_in = strategies.StepInput(None, masked, quota, 0.0, gen, state, x0=out[0], conf=out[1])
+                    else:
+                        out[..., mask_id] = float("-inf")  # never commit the mask token
+                        step_in = strategies.StepInput(out, masked, quota, params.temperature, gen, state)
+                    x0, commit = rule(step_in)
+                    return x0, commit & masked
+
+                saved = (dict(state), gen.get_state()) if precision is not None else None
+                x0, commit = decide(out)
+                if precision is not None and (masked.any(-1) & ~(masked & ~commit).any(-1)).any():
+                    # these commits would finish some row's block: the full-precision model decides them
+                    state.clear()
+                    state.update(saved[0])
+                    gen.set_state(saved[1])
+                    x0, commit = decide(forward(x, s, e, step, None))
                 x[:, s:e] = torch.where(commit, x0, x[:, s:e])
             committed += commit.sum(-1)
             forward.note_commits(commit)
@@ -159,7 +180,15 @@ def generate_batch(
             if done.all():
                 break
     wall = time.perf_counter() - start
-    return BatchResult(x[:, p_len:].cpu(), committed.cpu(), forward.nfe, wall, forward.step_s, commit_step.cpu())
+    return BatchResult(
+        x[:, p_len:].cpu(),
+        committed.cpu(),
+        forward.nfe,
+        wall,
+        forward.step_s,
+        commit_step.cpu(),
+        dict(forward.precision_forwards),
+    )
 
 
 class _Forwarder:
@@ -182,7 +211,16 @@ class _Forwarder:
         self.step_s: list[float] = []
         # Greedy threshold / top-k decisions run on the device when the backend has a commit kernel.
         rules = {"threshold": "threshold", "low_confidence": "top_k"}
-        self.commit = model.backend.commit_kernel() if self.use_confidence else None
+        self.schedule = None
+        if params.precision_schedule is not None:
+            self.schedule = PrecisionSchedule.parse(params.precision_schedule)
+            self.schedule.check_model(model.dtype, model.weight_format)
+        self.precision_forwards: dict[str, int] = {}
+        self.last_precision: str | None = None
+        self.refresh_next = False  # precision_refresh: the next full-precision forward refreshes the cache
+        # A schedule may redo a step's decisions in full precision: they stay on the host.
+        on_device_ok = self.use_confidence and self.schedule is None
+        self.commit = model.backend.commit_kernel() if on_device_ok else None
         self.device_rule = rules.get(params.strategy) if self.commit is not None else None
         if self.device_rule == "threshold":
             self.commit = functools.partial(self.commit, threshold=params.threshold)
@@ -192,19 +230,37 @@ class _Forwarder:
         if self.pending is not None:
             self.pending += commit.sum(-1).cpu()
 
-    def __call__(self, x: torch.Tensor, s: int, e: int, step: int):
+    def precision_for(self, masked: torch.Tensor, prompt_slots: int, step: int) -> str | None:
+        """The schedule's weight format for this step (None: full precision): the masked fraction
+        is that of the least-masked running row over the block's generated slots."""
+        if self.schedule is None:
+            return None
+        running = masked.any(-1)
+        slots = masked.shape[1] - prompt_slots
+        frac = float(masked[running].sum(-1).min()) / slots if bool(running.any()) and slots > 0 else 0.0
+        return self.schedule.choose(frac, step)
+
+    def __call__(self, x: torch.Tensor, s: int, e: int, step: int, precision: str | None = None):
         """The block's logits [B, e - s, V], or with the confidence head (argmax, probability) [B, e - s]."""
         t0 = time.perf_counter()
-        out = self._step(x, s, e, step)
+        name = precision or (self.schedule.full if self.schedule is not None else "full")
+        self.precision_forwards[name] = self.precision_forwards.get(name, 0) + 1
+        if self.params.precision_refresh and self.last_precision is not None and precision is None:
+            self.refresh_next = True
+        self.last_precision = precision
+        out = self._step(x, s, e, step, precision)
         self.step_s.append(time.perf_counter() - t0)
         return out
 
-    def _step(self, x: torch.Tensor, s: int, e: int, step: int):
+    def _step(self, x: torch.Tensor, s: int, e: int, step: int, precision: str | None = None):
         self.nfe += 1
         m = self.model
         if self.params.cfg_scale > 0:
-            return self._guided(x)[:, s:e]
+            return self._guided(x, precision)[:, s:e]
         lo, hi, cached = self._window(s, e, step, x.shape[1])
+        if cached and self.refresh_next:  # K/V written by low-precision forwards: recompute them all
+            lo, hi = 0, x.shape[1]
+        self.refresh_next = False
         compute = torch.arange(lo, hi) if cached else None
         # Rows are run in slices of at most max_forward_tokens computed positions: a long refresh
         # of a big batch then holds a slice's activations, not the whole batch's (chunked prefill).
@@ -221,7 +277,9 @@ class _Forwarder:
             parts = []
             for r0, r1 in slices:
                 xs, attn, cache = rows(r0, r1)
-                parts.append(m.forward(xs, attn, cache=cache, compute=compute, block_size=self.block_size))
+                parts.append(
+                    m.forward(xs, attn, cache=cache, compute=compute, block_size=self.block_size, precision=precision)
+                )
             return (torch.cat(parts) if len(parts) > 1 else parts[0])[:, s - lo : e - lo]
         # Confidence head: the LM head runs only where some row still has a mask (on the device
         # path, at every block slot: a fixed shape and no host sync to find them).
@@ -235,7 +293,14 @@ class _Forwarder:
             xs, attn, cache = rows(r0, r1)
             outs.append(
                 m.confidence(
-                    xs, attn, select=select, score=score, cache=cache, compute=compute, block_size=self.block_size
+                    xs,
+                    attn,
+                    select=select,
+                    score=score,
+                    cache=cache,
+                    compute=compute,
+                    block_size=self.block_size,
+                    precision=precision,
                 )
             )
         conf, token = outs[0] if len(outs) == 1 else (torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]))
@@ -278,11 +343,11 @@ class _Forwarder:
             return s, e, True
         return max(0, s - p.vicinity_before), min(n, e + p.vicinity_after), True
 
-    def _guided(self, x: torch.Tensor) -> torch.Tensor:
+    def _guided(self, x: torch.Tensor, precision: str | None = None) -> torch.Tensor:
         """Classifier-free guidance: the unconditional row has its prompt masked (LLaDA ``generate``)."""
         u = x.clone()
         u[:, : self.p_len] = self.model.mask_id
         attn = None if self.attn is None else torch.cat((self.attn, self.attn))
-        both = self.model.forward(torch.cat((x, u)), attn, block_size=self.block_size)
+        both = self.model.forward(torch.cat((x, u)), attn, block_size=self.block_size, precision=precision)
         cond, uncond = both.chunk(2)
         return uncond + (self.params.cfg_scale + 1) * (cond - uncond)

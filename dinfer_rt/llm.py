@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ class GenerationStats:
     tokens_per_forward: float
     wall_s: float  # wall time of its batch
     tokens_per_s: float
+    precision_forwards: dict[str, int] = field(default_factory=dict)  # its batch's forwards per precision
 
 
 @dataclass
@@ -40,11 +41,14 @@ class LLM:
         backend: str | None = None,
         dtype: str | torch.dtype | None = None,
         check_weights: bool = True,
+        quantization: str | None = None,
     ) -> None:
         if isinstance(model, Model):
             self.model = model
         else:
-            self.model = load_model(model, backend=backend, dtype=dtype, check_weights=check_weights)
+            self.model = load_model(
+                model, backend=backend, dtype=dtype, check_weights=check_weights, quantization=quantization
+            )
 
     def encode(self, prompt: str | list[int], chat: bool) -> list[int]:
         if isinstance(prompt, list):
@@ -85,8 +89,9 @@ class LLM:
                     if params.stop:
                         cut, text = cut_at_stop(tok.decode, ids[:cut], text, params.stop)
                     toks = int(res.committed[r])
+                    tps = toks / res.wall_s if res.wall_s > 0 else 0.0
                     stats = GenerationStats(
-                        res.nfe, toks, toks / max(res.nfe, 1), res.wall_s, toks / res.wall_s if res.wall_s > 0 else 0.0
+                        res.nfe, toks, toks / max(res.nfe, 1), res.wall_s, tps, res.precision_forwards
                     )
                     outputs.append(GenerationOutput(prompts[i + r], text, ids[:cut], stats))
                 bar.update(len(chunk))

@@ -61,6 +61,7 @@ def load_model(
     disable_passes: tuple[str, ...] | list[str] = (),
     check_weights: bool = True,
     tensor_parallel: tuple[int, int] | None = None,
+    quantization: str | None = None,
 ) -> Model:
     """Load a checkpoint folder (config.json + safetensors + tokenizer.json).
 
@@ -71,7 +72,10 @@ def load_model(
     passes to skip for this model (e.g. to build an unfused twin). ``check_weights`` scans
     every weight for NaN / infinity at load (off for trusted checkpoints). ``tensor_parallel``
     ``(rank, world)`` loads rank ``rank``'s shard (``dinfer_rt.parallel``; the process group must
-    be initialised, as ``dinfer_rt.parallel.launch`` does).
+    be initialised, as ``dinfer_rt.parallel.launch`` does). ``quantization`` ("int8", "fp8")
+    quantises the decoder projections as they are read (weight-only, per output channel) and keeps
+    only the quantised copies; a GPTQ checkpoint (config.json ``quantization_config``) loads in
+    its packed 4-bit layout without it (``docs/quantization.md``).
     """
     model_dir = Path(path) if path is not None else default_model_path()
     spec = parse_spec(model_dir)
@@ -94,14 +98,39 @@ def load_model(
         from dinfer_rt.errors import BackendError
 
         raise BackendError(f"backend {be.name} does not support dtype {dt}; it supports {be.capabilities().dtypes}")
+    fmt = _weight_format(model_dir, spec, be, quantization, tp)
     tok = Tokenizer(model_dir, spec.vocab) if tokenizer else None
     if tok is not None:
         check_special_tokens(model_dir, spec, tok)
     weights = Checkpoint(model_dir)
     from dinfer_rt.weights import load_weights
 
-    w = {k: v.to(be.device()) for k, v in load_weights(weights, spec, dt, check_weights, tp).items()}
-    model = Model(model_dir, spec, w, tok, be, dt, tuple(disable_passes), tensor_parallel=tp)
+    w = load_weights(weights, spec, dt, check_weights, tp, quantization)
+    w = {k: v.to(be.device()) for k, v in w.items()}
+    model = Model(model_dir, spec, w, tok, be, dt, tuple(disable_passes), tensor_parallel=tp, weight_format=fmt)
     model.bytes_read = weights.bytes_read  # what this process read from the checkpoint files
     model.executable(cached=False)  # lower, verify and compile now: errors surface at load
     return model
+
+
+def _weight_format(model_dir: Path, spec, backend, quantization: str | None, tp) -> str | None:
+    """The model's weight format, checked against the backend before any weight is read."""
+    from dinfer_rt import quant
+    from dinfer_rt.errors import BackendError
+
+    gptq = quant.gptq_config(spec.config, model_dir / "config.json")
+    if gptq is not None and quantization is not None:
+        raise ConfigError(
+            f"{model_dir}: the checkpoint is GPTQ-quantised already; quantization={quantization!r} does not apply"
+        )
+    if quantization is not None:
+        quant.check_format(quantization)
+        if tp is not None:
+            raise ConfigError("quantization under tensor parallelism is not supported yet")
+    fmt = "gptq4" if gptq is not None else quantization
+    formats = backend.capabilities().weight_formats
+    if fmt is not None and fmt not in formats:
+        raise BackendError(
+            f"backend {backend.describe()} has no {fmt} weight kernels; it supports: {', '.join(formats) or 'none'}"
+        )
+    return fmt

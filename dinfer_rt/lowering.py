@@ -17,6 +17,7 @@ import math
 import torch
 
 from dinfer_rt.dtypes import accumulate_dtype
+from dinfer_rt import quant
 from dinfer_rt.ir import Graph, TensorType, Value
 from dinfer_rt.spec import ModelSpec, param_plan
 
@@ -31,6 +32,7 @@ def lower(
     mask_id: int | None = None,
     score: str = "max",
     per_row: bool = False,
+    weight_format: str | None = None,
 ) -> Graph:
     """Build and verify the forward graph of ``spec`` in compute dtype ``dtype``.
 
@@ -38,7 +40,9 @@ def lower(
     and outputs ``confidence`` / ``token`` [B, M] (the ``score`` kind: max probability, margin or
     negative entropy; and the argmax, ``mask_id`` banned) instead of ``logits``: the scheduler's
     greedy rules need nothing else. ``per_row`` makes ``token_index`` [B, T]: every row computes
-    its own set of slots (rows at different blocks share one forward).
+    its own set of slots (rows at different blocks share one forward). ``weight_format``
+    ("int8", "fp8", "gptq4") makes the decoder projections weight-only quantised linears over
+    the parameters ``quant.quantized_names`` (or ``<name>@gptq4.<tensor>``) name (``dinfer_rt.quant``).
     """
     acc = accumulate_dtype(dtype)
     g = Graph(f"{spec.family}{'_cached' if cached else ''}{'_per_row' if per_row else ''}")
@@ -57,8 +61,20 @@ def lower(
                 )
             )
     P: dict[str, Value] = {}
+    Q: dict[str, tuple[Value, ...]] = {}  # quantised projections: IR name -> the op's weight inputs
     for p in param_plan(spec):
-        P[p.name] = g.param(p.name, TensorType(p.shape, acc if p.keep_fp32 else dtype))
+        if weight_format is not None and quant.is_quantizable(p.name):
+            Q[p.name] = _quantized_params(g, spec, p.name, p.shape, weight_format, dtype)
+        else:
+            P[p.name] = g.param(p.name, TensorType(p.shape, acc if p.keep_fp32 else dtype))
+    zero_offset = quant.gptq_config(spec.config, "config.json")["zero_offset"] if weight_format == "gptq4" else 0
+
+    def proj(x: Value, name: str, bias: Value | None = None) -> Value:
+        if name not in Q:
+            return g.op("linear", x, P[name], bias)
+        if weight_format == "gptq4":
+            return g.op("linear_gptq", x, *Q[name], bias, zero_offset=zero_offset)
+        return g.op("linear_wq", x, *Q[name], bias)
     if spec.tie_embeddings:
         P["lm_head"] = P["embed"]
 
@@ -69,9 +85,9 @@ def lower(
         n = g.op("rms_norm", h, P[L + "attn_norm"], eps=spec.eps)
         if spec.fused_qkv:
             d, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
-            q, k, v = g.op("split", g.op("linear", n, P[L + "qkv"]), sizes=(d, kv, kv))
+            q, k, v = g.op("split", proj(n, L + "qkv"), sizes=(d, kv, kv))
         else:
-            q, k, v = (g.op("linear", n, P[L + w], P.get(L + w + "_bias")) for w in "qkv")
+            q, k, v = (proj(n, L + w, P.get(L + w + "_bias")) for w in "qkv")
         q = g.op("view_heads", q, heads=spec.n_heads)
         k = g.op("view_heads", k, heads=spec.n_kv_heads)
         v = g.op("view_heads", v, heads=spec.n_kv_heads)
@@ -87,12 +103,12 @@ def lower(
             g.output(f"v_cache.{i}", vc)
         else:
             a = g.op("attention", q, k, v, key_valid, tok, scale=scale, block_size=bs)
-        h = g.op("add", h, g.op("linear", g.op("merge_heads", a), P[L + "o"]))
+        h = g.op("add", h, proj(g.op("merge_heads", a), L + "o"))
         m = g.op("rms_norm", h, P[L + "mlp_norm"], eps=spec.eps)
         if spec.is_moe_layer(i):
-            y = _moe(g, spec, P, L, m, acc)
+            y = _moe(g, spec, P, L, m, acc, proj)
         else:
-            y = _swiglu(g, m, P[L + "gate"], P[L + "up"], P[L + "down"])
+            y = _swiglu(g, m, proj, L + "gate", L + "up", L + "down")
         h = g.op("add", h, y)
     h = g.op("rms_norm", h, P["final_norm"], eps=spec.eps)
     if head == "confidence":
@@ -105,11 +121,25 @@ def lower(
     return g.verify()
 
 
-def _swiglu(g: Graph, x: Value, gate: Value, up: Value, down: Value) -> Value:
-    return g.op("linear", g.op("mul", g.op("silu", g.op("linear", x, gate)), g.op("linear", x, up)), down)
+def _quantized_params(g: Graph, spec: ModelSpec, name: str, shape, fmt: str, dtype: torch.dtype) -> tuple[Value, ...]:
+    out_f, in_f = shape
+    if fmt == "gptq4":
+        cfg = quant.gptq_config(spec.config, "config.json")
+        shapes = quant.gptq_shapes(out_f, in_f, cfg["group_size"], name)
+        types = {"qweight": torch.int32, "qzeros": torch.int32, "scales": dtype, "g_idx": torch.int32}
+        return tuple(g.param(f"{name}@gptq4.{s}", TensorType(shapes[s], types[s])) for s in quant.GPTQ_SUFFIXES)
+    qname, sname = quant.quantized_names(name, fmt)
+    return (
+        g.param(qname, TensorType(tuple(shape), quant.QUANT_DTYPE[fmt])),
+        g.param(sname, TensorType((out_f,), torch.float32)),
+    )
 
 
-def _moe(g: Graph, spec: ModelSpec, P: dict[str, Value], L: str, m: Value, acc: torch.dtype) -> Value:
+def _swiglu(g: Graph, x: Value, proj, gate: str, up: str, down: str) -> Value:
+    return proj(g.op("mul", g.op("silu", proj(x, gate)), proj(x, up)), down)
+
+
+def _moe(g: Graph, spec: ModelSpec, P: dict[str, Value], L: str, m: Value, acc: torch.dtype, proj) -> Value:
     moe = spec.moe
     assert moe is not None
     logits = g.op("linear", g.op("cast", m, dtype=acc), P[L + "router"])
@@ -128,5 +158,5 @@ def _moe(g: Graph, spec: ModelSpec, P: dict[str, Value], L: str, m: Value, acc: 
         )
     y = g.op("moe_experts", m, w, idx, P[L + "experts_gate_up"], P[L + "experts_down"])
     if moe.n_shared:
-        y = g.op("add", y, _swiglu(g, m, P[L + "shared_gate"], P[L + "shared_up"], P[L + "shared_down"]))
+        y = g.op("add", y, _swiglu(g, m, proj, L + "shared_gate", L + "shared_up", L + "shared_down"))
     return y

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
+from dinfer_rt import quant
 from dinfer_rt.backend import Backend
-from dinfer_rt.errors import DinferError, GenerationError
+from dinfer_rt.errors import ConfigError, DinferError, GenerationError
 from dinfer_rt.executor import Executable
 from dinfer_rt.ir import Graph
 from dinfer_rt.lowering import lower
@@ -49,14 +50,18 @@ class Model:
         dtype: torch.dtype,
         disable_passes: tuple[str, ...] = (),
         tensor_parallel=None,
+        weight_format: str | None = None,
     ) -> None:
         self.path, self.spec, self.weights, self.tokenizer = path, spec, weights, tokenizer
         self.backend, self.dtype = backend, dtype
         self.disable_passes = disable_passes  # pass names skipped for this model (e.g. an unfused twin)
         self.tensor_parallel = tensor_parallel  # dinfer_rt.passes.shard.TensorParallel, or None: one rank
         self.bytes_read = 0  # checkpoint bytes the loader read for this model (a shard reads its slices)
+        # The format every forward's projections use unless a precision is asked for: None (the
+        # dtype's float weights), "int8" / "fp8" (quantised at load), "gptq4" (a GPTQ checkpoint).
+        self.weight_format = weight_format
         self.block_size = spec.default_block_size
-        self._compiled: dict[tuple[bool, int | None, str, str, bool], Executable] = {}
+        self._compiled: dict[tuple[bool, int | None, str, str, bool, str | None], Executable] = {}
         self.pass_counts: dict[str, int] = {}  # rewrites per pass in the last compiled graph
 
     # ---------------------------------------------------------------- graphs
@@ -70,10 +75,25 @@ class Model:
         head: str = "logits",
         score: str = "max",
         per_row: bool = False,
+        precision: str | None = None,
     ) -> Executable:
+        """The compiled forward for one variant. ``precision`` ("int8", "fp8"; None: the model's
+        own ``weight_format``) picks the projections' weight format: a precision schedule keeps
+        one executable per precision over the float weights plus their quantised copies."""
         bs = (block_size or self.block_size) if self.spec.block_causal else None
-        key = (cached, bs, head, score if head == "confidence" else "", per_row)
+        fmt = self.weight_format if precision is None else precision
+        key = (cached, bs, head, score if head == "confidence" else "", per_row, fmt)
         if key not in self._compiled:
+            formats = self.backend.capabilities().weight_formats
+            if fmt is not None and fmt not in formats:
+                from dinfer_rt.errors import BackendError
+
+                raise BackendError(
+                    f"backend {self.backend.describe()} has no {fmt} weight kernels; it supports: "
+                    f"{', '.join(formats) or 'none'}"
+                )
+            if fmt != self.weight_format:
+                self._quantized_copies(fmt)
             mask = self.mask_id if head == "confidence" else None
             graph = lower(
                 self.spec,
@@ -84,6 +104,7 @@ class Model:
                 mask_id=mask,
                 score=score,
                 per_row=per_row,
+                weight_format=fmt,
             )
             if self.tensor_parallel is not None:  # shard before fusion: fused kernels see local shapes
                 from dinfer_rt.passes.shard import shard_graph
@@ -92,6 +113,23 @@ class Model:
             graph, self.pass_counts = self.backend.optimize(graph, self.weights, self.disable_passes)
             self._compiled[key] = self.backend.compile(graph, self.weights)
         return self._compiled[key]
+
+    def _quantized_copies(self, fmt: str) -> None:
+        """Add ``fmt``-quantised copies of the decoder projections beside the float weights (once)."""
+        if self.weight_format is not None:
+            raise ConfigError(
+                f"{self.path}: the model holds {self.weight_format} weights only (loaded with quantization="
+                f"{self.weight_format!r}); a {fmt} forward needs the float weights: load without quantization"
+            )
+        quant.check_format(fmt, "precision")
+        if self.tensor_parallel is not None:
+            raise ConfigError("quantised forwards under tensor parallelism are not supported yet")
+        for name in [n for n in self.weights if quant.is_quantizable(n)]:
+            qname, sname = quant.quantized_names(name, fmt)
+            if qname not in self.weights:
+                self.weights[qname], self.weights[sname] = (
+                    t.to(self.weights[name].device) for t in quant.quantize(self.weights[name], fmt)
+                )
 
     # ---------------------------------------------------------------- ids
     @property
@@ -151,6 +189,7 @@ class Model:
         cache: KVCache | None = None,
         compute: torch.Tensor | None = None,
         block_size: int | None = None,
+        precision: str | None = None,
     ) -> torch.Tensor:
         """Logits [B, len(compute), V] predicting the tokens at positions ``compute``.
 
@@ -159,7 +198,7 @@ class Model:
         to run; with ``cache`` every other position's K/V is read from it.
         """
         inputs, run, want = self._inputs(input_ids, attention_mask, cache, compute)
-        logits = self.executable(cache is not None, block_size)(inputs)["logits"]
+        logits = self.executable(cache is not None, block_size, precision=precision)(inputs)["logits"]
         if self.spec.shift_logits:
             logits = logits[:, self._predicted_by(run, want).to(logits.device)]
         return logits
@@ -175,6 +214,7 @@ class Model:
         cache: KVCache | None = None,
         compute: torch.Tensor | None = None,
         block_size: int | None = None,
+        precision: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(score, argmax) [B, len(select)] at positions ``select`` (a subset of ``compute``), mask
         token banned, through the confidence head; ``score`` is "max" (top-1 probability),
@@ -185,7 +225,7 @@ class Model:
         if not torch.isin(select, want).all():
             raise GenerationError("confidence: every selected position must be computed")
         inputs["select"] = self._predicted_by(run, select).to(self.backend.device())
-        out = self.executable(cache is not None, block_size, head="confidence", score=score)(inputs)
+        out = self.executable(cache is not None, block_size, head="confidence", score=score, precision=precision)(inputs)
         return out["confidence"], out["token"]
 
     @torch.no_grad()

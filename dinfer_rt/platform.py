@@ -26,6 +26,7 @@ class Capabilities:
     dtypes: tuple[torch.dtype, ...]
     warp_size: int | None = None
     collectives: str | None = None  # torch.distributed backend for this device (gloo, nccl, hccl)
+    weight_formats: tuple[str, ...] = ()  # quantised weight formats with kernels here (int8, fp8, gptq4)
     extra: dict[str, object] = field(default_factory=dict)
 
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from dinfer_rt.errors import GenerationError
+from dinfer_rt.precision import PrecisionSchedule
 
 STRATEGIES = (
     "low_confidence",
@@ -48,6 +49,7 @@ _FIELD_RULES: dict[str, tuple[type, float | None, float | None, bool]] = {
     "batch_size": (int, 1, None, False),
     "seed": (int, 0, 2**63 - 1, False),
     "chat": (bool, None, None, False),
+    "precision_refresh": (bool, None, None, False),
 }
 _OPTIONAL = {"steps", "refresh_window", "max_forward_tokens"}
 
@@ -88,6 +90,8 @@ class SamplingParams:
     seed: int = 0
     chat: bool = True
     stop: tuple[str, ...] = ()  # stop strings: a row ends at the block in which one is final; text cut there
+    precision_schedule: str | None = None  # e.g. "int8@0.5,fp32": cheap forwards while the block is mostly masked
+    precision_refresh: bool = False  # recompute cached K/V at the first full-precision forward after cheap ones
 
     def validate(self) -> SamplingParams:
         """Every field's type and range, then the rules between fields; the first problem is
@@ -128,6 +132,8 @@ class SamplingParams:
         blocks = self.gen_length // self.block_length
         if self.steps is not None and self.steps % blocks:
             raise bad(f"steps {self.steps} must be a positive multiple of the {blocks} blocks")
+        if self.precision_schedule is not None:
+            PrecisionSchedule.parse(self.precision_schedule)
         if self.cfg_scale > 0 and self.cache != "none":
             raise bad(f"cfg_scale > 0 runs two rows per prompt and supports cache='none' only, not {self.cache!r}")
         return self

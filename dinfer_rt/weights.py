@@ -4,17 +4,34 @@ from __future__ import annotations
 
 import torch
 
+from dinfer_rt import quant
 from dinfer_rt.checkpoint import Checkpoint
 from dinfer_rt.dtypes import accumulate_dtype
 from dinfer_rt.errors import CheckpointError
 from dinfer_rt.spec import IGNORED_TENSOR_SUFFIXES, ModelSpec, ParamPlan, param_plan
 
 
-def check_tensors(ckpt: Checkpoint, spec: ModelSpec, plan: list[ParamPlan]) -> None:
+def gptq_sources(spec: ModelSpec, plan: list[ParamPlan], gptq: dict) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+    """GPTQ checkpoint tensor -> (IR parameter, GPTQ tensor kind, expected shape) for every
+    quantised projection (``X.weight`` is stored as ``X.qweight`` / ``qzeros`` / ``scales`` / ``g_idx``)."""
+    out = {}
+    for p in plan:
+        if quant.is_quantizable(p.name):
+            stem = p.sources[0].removesuffix(".weight")
+            shapes = quant.gptq_shapes(*p.shape, gptq["group_size"], f"tensor {stem!r}")
+            for kind in quant.GPTQ_SUFFIXES:
+                out[f"{stem}.{kind}"] = (p.name, kind, shapes[kind])
+    return out
+
+
+def check_tensors(ckpt: Checkpoint, spec: ModelSpec, plan: list[ParamPlan], gptq: dict | None = None) -> None:
     """Missing, unexpected or mis-shaped tensors: one error naming the tensor and file."""
     expected: dict[str, tuple[int, ...]] = {}
     for p in plan:
-        expected.update(zip(p.sources, p.source_shapes))
+        if gptq is None or not quant.is_quantizable(p.name):
+            expected.update(zip(p.sources, p.source_shapes))
+    if gptq is not None:
+        expected.update({src: shape for src, (_, _, shape) in gptq_sources(spec, plan, gptq).items()})
     present = ckpt.names()
     missing = [n for n in expected if n not in present]
     if missing:
@@ -55,18 +72,49 @@ def check_values(ckpt: Checkpoint, name: str, tensor: torch.Tensor, converted: t
         raise CheckpointError(f"{where} overflows {converted.dtype}: its values exceed the dtype's range")
 
 
+def load_gptq(ckpt: Checkpoint, spec: ModelSpec, plan: list[ParamPlan], gptq: dict, dtype: torch.dtype, weights) -> None:
+    """Read a GPTQ checkpoint's packed projections as stored (scales converted to ``dtype``)
+    into ``weights`` under ``<param>@gptq4.<kind>``; a g_idx naming a group that does not exist
+    or a non-finite scale is one error naming the tensor."""
+    sources = gptq_sources(spec, plan, gptq)
+    for src, tensor in ckpt.read(list(sources)):
+        name, kind, _ = sources[src]
+        where = f"{ckpt.files[src]}: tensor {src!r}"
+        if kind == "scales":
+            check_values(ckpt, src, tensor, tensor.to(dtype))
+            tensor = tensor.to(dtype)
+        elif tensor.dtype != torch.int32:
+            raise CheckpointError(f"{where} has dtype {tensor.dtype}; GPTQ stores {kind} as int32")
+        if kind == "g_idx":
+            groups = quant.gptq_shapes(*next(p.shape for p in plan if p.name == name), gptq["group_size"], where)
+            n_groups = groups["scales"][0]
+            if int(tensor.min()) < 0 or int(tensor.max()) >= n_groups:
+                raise CheckpointError(f"{where} names groups outside [0, {n_groups}) (group_size {gptq['group_size']})")
+        weights[f"{name}@gptq4.{kind}"] = tensor
+
+
 def load_weights(
-    ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype, check_weights: bool = True, tensor_parallel=None
+    ckpt: Checkpoint,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    check_weights: bool = True,
+    tensor_parallel=None,
+    quantization: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read every parameter once, converting each tensor to ``dtype`` as it is read.
 
     Router weights and expert bias stay in fp32 (f64 in validation mode); stacked experts
     are filled in place into one preallocated [E, ...] tensor. ``check_weights`` scans every
     tensor for NaN / infinity as it is read (one pass per tensor; skip it for trusted
-    checkpoints); a non-float tensor is always refused.
+    checkpoints); a non-float tensor is always refused. ``quantization`` ("int8", "fp8")
+    quantises each decoder projection as it is read and keeps only the quantised copy; a GPTQ
+    checkpoint (config.json ``quantization_config``) is read in its packed layout.
     """
     plan = param_plan(spec)
-    check_tensors(ckpt, spec, plan)
+    gptq = quant.gptq_config(spec.config, ckpt.dir / "config.json")
+    if gptq is not None and tensor_parallel is not None:
+        raise CheckpointError(f"{ckpt.dir}: tensor parallelism over a GPTQ checkpoint is not supported")
+    check_tensors(ckpt, spec, plan, gptq)
     acc = accumulate_dtype(dtype)
     weights: dict[str, torch.Tensor] = {}
     where: dict[str, tuple[ParamPlan, int]] = {}
@@ -85,6 +133,9 @@ def load_weights(
                 if p.transform != "copy":
                     raise CheckpointError(f"tensor parallel: {p.name} is assembled ({p.transform}); not split yet")
                 slices[p.sources[0]] = rng
+    if gptq is not None:
+        load_gptq(ckpt, spec, plan, gptq, dtype, weights)
+        where = {src: v for src, v in where.items() if not quant.is_quantizable(v[0].name)}
     for src, tensor in ckpt.read(list(where), slices):
         p, slot = where[src]
         check_values(ckpt, src, tensor, None)
@@ -100,6 +151,9 @@ def load_weights(
             part.copy_(tensor)
         if check_weights:
             check_values(ckpt, src, tensor, part)
+        if quantization is not None and quant.is_quantizable(p.name):
+            qname, sname = quant.quantized_names(p.name, quantization)
+            weights[qname], weights[sname] = quant.quantize(weights.pop(p.name), quantization)
     if spec.tie_embeddings:
         weights["lm_head"] = weights["embed"]
     return weights

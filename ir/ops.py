@@ -147,6 +147,90 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+WEIGHT_QUANT_DTYPES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
+"""Storage dtype of a weight-only quantised linear -> its format name (docs/quantization.md)."""
+
+
+def _infer_linear_wq(ts, attrs):
+    x, q, scale = ts[0], ts[1], ts[2]
+    _need(x.is_float, "linear_wq", f"input must be float, got {x}")
+    _need(
+        q.rank == 2 and q.dtype in WEIGHT_QUANT_DTYPES,
+        "linear_wq",
+        f"weight must be int8 or float8_e4m3fn [out, in], got {q}",
+    )
+    _need(same_dim(x.shape[-1], q.shape[1]), "linear_wq", f"input {x} does not match weight {q} (in features)")
+    _need(
+        scale.shape == (q.shape[0],) and scale.is_float,
+        "linear_wq",
+        f"scale must be float [{q.shape[0]}] (one per output channel), got {scale}",
+    )
+    if len(ts) == 4 and ts[3] is not None:
+        _need(ts[3].shape == (q.shape[0],), "linear_wq", f"bias {ts[3]} does not match weight {q}")
+    return [TensorType((*x.shape[:-1], q.shape[0]), x.dtype)]
+
+
+@_register("linear_wq", (3, 4))(_infer_linear_wq)
+def linear_wq(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Weight-only quantised linear: dequantise ``qweight`` (int8 or fp8 e4m3, [out, in]) with
+    its per-output-channel ``scale`` into x's dtype, then ``linear``. Activations stay in x's
+    dtype; in float64 this is the exact dequantised product (the validation oracle)."""
+    w = qweight.to(x.dtype) * scale.to(x.dtype)[:, None]
+    return F.linear(x, w, bias)
+
+
+GPTQ_PACK = 8  # 4-bit values per int32
+
+
+def gptq_unpack_rows(qweight: torch.Tensor) -> torch.Tensor:
+    """[in/8, out] int32 -> [in, out] int (0..15): value j of word i is input row 8i + j, at bits 4j."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
+    return ((qweight[:, None, :] >> shifts[None, :, None]) & 0xF).flatten(0, 1)
+
+
+def gptq_unpack_cols(qzeros: torch.Tensor) -> torch.Tensor:
+    """[G, out/8] int32 -> [G, out] int (0..15): value j of word c is output column 8c + j."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qzeros.device)
+    return ((qzeros[:, :, None] >> shifts[None, None, :]) & 0xF).flatten(1, 2)
+
+
+def gptq_dequantize(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, zero_offset: int, dtype
+) -> torch.Tensor:
+    """The [out, in] weight a GPTQ 4-bit layer holds: (q - (z + zero_offset)) * s of its group."""
+    q = gptq_unpack_rows(qweight)
+    z = gptq_unpack_cols(qzeros) + zero_offset
+    g = g_idx.long()
+    return ((q - z[g]).to(dtype) * scales.to(dtype)[g]).T
+
+
+def _infer_linear_gptq(ts, attrs):
+    x, qw, qz, sc, gi = ts[:5]
+    _need(x.is_float, "linear_gptq", f"input must be float, got {x}")
+    for name, t in (("qweight", qw), ("qzeros", qz), ("g_idx", gi)):
+        _need(t.dtype == torch.int32, "linear_gptq", f"{name} must be int32, got {t}")
+    _need(qw.rank == 2 and sc.rank == 2 and qz.rank == 2, "linear_gptq", f"bad GPTQ tensors {qw}, {qz}, {sc}")
+    k, n = qw.shape[0] * GPTQ_PACK, qw.shape[1]
+    _need(same_dim(x.shape[-1], k), "linear_gptq", f"input {x} does not match qweight {qw} ({k} in features)")
+    _need(sc.shape[1] == n and qz.shape == (sc.shape[0], n // GPTQ_PACK), "linear_gptq", f"scales {sc} / qzeros {qz}")
+    _need(gi.shape == (k,), "linear_gptq", f"g_idx {gi} must be [{k}]")
+    if len(ts) == 6 and ts[5] is not None:
+        _need(ts[5].shape == (n,), "linear_gptq", f"bias {ts[5]} does not match {n} out features")
+    return [TensorType((*x.shape[:-1], n), x.dtype)]
+
+
+@_register("linear_gptq", (5, 6))(_infer_linear_gptq)
+def linear_gptq(x, qweight, qzeros, scales, g_idx, bias=None, *, zero_offset: int = 1):
+    """GPTQ 4-bit linear (AutoGPTQ layout): qweight [in/8, out] and qzeros [G, out/8] int32 hold
+    eight 4-bit values per word, scales [G, out], g_idx [in] the group of each input row. The
+    weight is (q - (zero + ``zero_offset``)) * scale (offset 1 in the "gptq" v1 format, 0 in
+    "gptq_v2"), dequantised into x's dtype, then ``linear``."""
+    w = gptq_dequantize(qweight, qzeros, scales, g_idx, zero_offset, x.dtype)
+    return F.linear(x, w, bias)
+
+
 def _infer_rms_norm(ts, attrs):
     x, w = ts
     _need(w.rank == 1 and same_dim(w.shape[0], x.shape[-1]), "rms_norm", f"weight {w} does not match input {x}")

@@ -16,6 +16,8 @@ DTYPE_NAMES = {
     torch.float16: "f16",
     torch.int64: "i64",
     torch.int32: "i32",
+    torch.int8: "i8",
+    torch.float8_e4m3fn: "f8e4m3",
     torch.bool: "bool",
 }
 

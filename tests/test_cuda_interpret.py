@@ -426,7 +426,7 @@ def test_graphed_forward_replays_with_static_buffers_and_recaptures_on_new_shape
     assert mutated_inputs(eager) == {f"{kv}_cache.{i}" for kv in "kv" for i in range(model.spec.n_layers)}
     api = _ReplayByRerun()
     graphed = GraphedExecutable(eager, api)
-    model._compiled[(True, None, "logits", "", False)] = graphed
+    model._compiled[(True, None, "logits", "", False, None)] = graphed
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 60, (2, 12), generator=g)
     cache, ref_cache = model.new_cache(2, 12), model.new_cache(2, 12)

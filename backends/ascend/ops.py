@@ -150,6 +150,20 @@ def make_kernels(npu, fallback: Callable[[str, str], None], vector_cores: int, i
 
         k["moe_experts"] = moe_experts
 
+    if has("npu_weight_quant_batchmatmul"):
+
+        def linear_wq(x, qweight, scale, bias=None):
+            # x (M, K) fp16/bf16; weight (K, N) int8: the [N, K] weight's transposed view, as the
+            # documentation recommends for per-channel scales; antiquant_scale (N,) in x's dtype.
+            if x.dtype not in (torch.float16, torch.bfloat16) or qweight.dtype != torch.int8:
+                fallback("linear_wq", f"npu_weight_quant_batchmatmul takes fp16/bf16 x and int8 weights, got {x.dtype}")
+                return ops.linear_wq(x, qweight, scale, bias)
+            flat = x.reshape(-1, x.shape[-1])
+            y = npu.npu_weight_quant_batchmatmul(flat, qweight.t(), scale.to(x.dtype), bias=bias)
+            return y.reshape(*x.shape[:-1], qweight.shape[0])
+
+        k["linear_wq"] = linear_wq
+
     k.update(_triton_kernels(vector_cores, interpret))
     return k
 

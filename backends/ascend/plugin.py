@@ -79,7 +79,8 @@ class AscendBackend(Backend):
             "alignment_bytes": 32,
         }
         dtypes = (torch.float32, torch.bfloat16, torch.float16)
-        return Capabilities(dtypes=dtypes, collectives="hccl", extra=extra)
+        # int8 through npu_weight_quant_batchmatmul; Atlas A2 (910B) has no fp8 (docs/backends/ascend.md)
+        return Capabilities(dtypes=dtypes, collectives="hccl", extra=extra, weight_formats=("int8", "gptq4"))
 
     def kernels(self):
         """torch_npu fused operators for the ops that have one (imported here, after selection,

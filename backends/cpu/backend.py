@@ -33,7 +33,7 @@ class CpuBackend(Backend):
 
     def capabilities(self) -> Capabilities:
         dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-        return Capabilities(dtypes=dtypes, collectives="gloo")
+        return Capabilities(dtypes=dtypes, collectives="gloo", weight_formats=("int8", "fp8", "gptq4"))
 
     def kernels(self) -> Mapping[str, Kernel]:
         kernels = {name: op.reference for name, op in OPS.items()}
@@ -46,5 +46,6 @@ class CpuBackend(Backend):
             "rope_attention": attn.rope_attention,
             "rms_norm": cpu_kernels.rms_norm,
             "add_rms_norm": cpu_kernels.add_rms_norm,
+            "linear_wq": cpu_kernels.linear_wq,
         }
         return kernels

@@ -5,7 +5,10 @@
 - RMSNorm through torch's fused kernel, and attention / rope-attention that compute the rotary
   angles and the mask once per forward instead of once per layer (the reference's cost on small
   models: about a fifth of a forward of the embedded model). Same formulas, so the same values;
-  the conformance suite checks each against the reference in float64.
+  the conformance suite checks each against the reference in float64;
+- the weight-only quantised linear with its per-channel scale applied to the output instead of
+  the weight: one pass over [out, in] fewer (torch's ``_weight_int8pack_mm`` was measured 12x
+  slower than this on the AVX2 CPU here, docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -232,3 +235,10 @@ class AttentionKernels:
         cos, sin = self.rotary.angles(positions, rotary_dim, theta, acc)
         q, k = rotate(q, cos, sin, rotary_dim), rotate(k, cos, sin, rotary_dim)
         return self.attention(q, k, v, key_valid, token_index, k_cache, v_cache, scale=scale, block_size=block_size)
+
+
+def linear_wq(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+    """x (q)^T * s (+ b): ``ir.ops.linear_wq`` with the scale moved past the matmul (the same
+    product; rounding differs at the dtype's last bit)."""
+    y = F.linear(x, qweight.to(x.dtype)) * scale.to(x.dtype)
+    return y + bias if bias is not None else y

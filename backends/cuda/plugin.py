@@ -44,7 +44,13 @@ class CudaBackend(TritonBackend):
     def capabilities(self) -> Capabilities:
         # no float64: the kernels accumulate in fp32, so they could not honour it
         dtypes = (torch.float32, torch.bfloat16, torch.float16)
-        return Capabilities(dtypes=dtypes, warp_size=32, collectives="nccl")
+        return Capabilities(dtypes=dtypes, warp_size=32, collectives="nccl", weight_formats=self.weight_formats())
+
+    def weight_formats(self) -> tuple[str, ...]:
+        """int8 and GPTQ everywhere; fp8 e4m3 from Ada / Hopper (sm_89+), and under the interpreter."""
+        arch = self.arch or "sm_90"
+        fp8 = arch == "interpret" or (arch.removeprefix("sm_").isdigit() and int(arch.removeprefix("sm_")) >= 89)
+        return ("int8", "fp8", "gptq4") if fp8 else ("int8", "gptq4")
 
     def tuning(self) -> dict:
         """This arch's tuning row (unknown archs get the sm_90 row)."""

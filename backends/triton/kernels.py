@@ -514,6 +514,47 @@ def moe_down_kernel(
 
 
 @triton.jit
+def linear_wq_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    HAS_BIAS: tl.constexpr,
+    FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Weight-only dequant GEMM: y = x (q * s)^T (+ b) for x [M, K], q [N, K] int8 (or fp8 e4m3
+    bytes, ``FP8``: passed as uint8 and bitcast, which the interpreter also takes), per-row
+    scale s [N]. Each weight tile is dequantised in registers and rounded to x's dtype, as the
+    reference dequantises the whole weight; fp32 accumulation, output in x's dtype."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, cm = rows < M, cols < N
+    dtype = y_ptr.dtype.element_ty
+    scale = _round(tl.load(s_ptr + cols, mask=cm, other=0.0).to(tl.float32), dtype)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        km = ks < K
+        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        q = tl.load(q_ptr + cols[None, :] * K + ks[:, None], mask=km[:, None] & cm[None, :], other=0)
+        if FP8:
+            q = q.to(tl.float8e4nv, bitcast=True)
+        w = _round(q.to(tl.float32) * scale[None, :], dtype)
+        acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+    if HAS_BIAS:
+        acc = _round(acc, dtype) + tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], _narrow(acc, dtype), mask=rm[:, None] & cm[None, :])
+
+
+@triton.jit
 def _commit_row(row, conf, masked, quota, x0, x, out, n_slots, x_stride, threshold, TOP_K, BLOCK_L):
     """One row's commit decisions (see ``commit_kernel``)."""
     conf, masked, x0, out = conf + row * n_slots, masked + row * n_slots, x0 + row * n_slots, out + row * n_slots

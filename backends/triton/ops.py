@@ -13,7 +13,17 @@ from dinfer_rt.backends.triton.autotune import Autotuner
 from dinfer_rt.backends.triton.launch import AUTOTUNE_SPACE, attention_config, row_config
 from dinfer_rt.ir import ops
 
-KERNELS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "lm_head_confidence", "attention", "router", "moe")
+KERNELS = (
+    "rms_norm",
+    "add_rms_norm",
+    "swiglu",
+    "rope",
+    "lm_head_confidence",
+    "attention",
+    "router",
+    "moe",
+    "linear_wq",
+)
 SCORE_KINDS = {"max": 0, "margin": 1, "entropy": 2}
 
 
@@ -153,6 +163,20 @@ def make_kernels(
         )
         return score, token
 
+    def linear_wq(x, qweight, scale, bias=None):
+        """Dequant GEMM over the flattened rows of x; fp8 weights go in as their bytes."""
+        xc = x.reshape(-1, x.shape[-1]).contiguous()
+        m, k = xc.shape
+        n = qweight.shape[0]
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        fp8 = qweight.dtype == torch.float8_e4m3fn
+        q = qweight.contiguous().view(torch.uint8) if fp8 else qweight.contiguous()
+        cfg = tuned["linear_wq"]
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+        b = bias if bias is not None else scale
+        kern.linear_wq_kernel[grid](xc, q, scale, b, y, m, n, k, HAS_BIAS=bias is not None, FP8=fp8, **cfg)
+        return y.reshape(*x.shape[:-1], n)
+
     def attention(q, k, v, key_valid, token_index, k_cache=None, v_cache=None, *, scale, block_size=None):
         qc = q.contiguous()
         # the cache is read in place after the splice; fresh K/V must be contiguous rows
@@ -284,4 +308,5 @@ def make_kernels(
         "swiglu": swiglu,
         "rope": rope,
         "lm_head_confidence": lm_head_confidence,
+        "linear_wq": linear_wq,
     }

@@ -15,8 +15,41 @@ from dinfer_rt.passes.pattern import P
 from dinfer_rt.passes.rewrite import Rule, Site, rules_pass
 
 
+LINEARS = ("linear", "linear_wq")
+"""Linears whose weight inputs concatenate along the output dim: the float one ([out, in]) and the
+weight-only quantised one (qweight [out, in] and its per-row scale [out]), so merged Q/K/V and
+gate/up work on quantised weights too."""
+
+
+def _weights(node) -> list:
+    return node.inputs[1:3] if node.op == "linear_wq" else node.inputs[1:2]
+
+
+def _bias(node):
+    at = 3 if node.op == "linear_wq" else 2
+    return node.inputs[at] if len(node.inputs) > at else None
+
+
 def _biased(node) -> bool:
-    return len(node.inputs) > 2 and node.inputs[2] is not None
+    return _bias(node) is not None
+
+
+def _mergeable(nodes) -> bool:
+    """Linears of one kind with parameter weights of one dtype and input size (rows may differ)."""
+    if len({n.op for n in nodes}) > 1:
+        return False
+    ws = [_weights(n) for n in nodes]
+    if not all(w.kind == "param" for group in ws for w in group):
+        return False
+    return len({tuple((w.type.dtype, w.type.shape[1:]) for w in group) for group in ws}) == 1
+
+
+def _merged_linear(m: Site, nodes, x, at: int):
+    """One linear over the row-concatenated weights (and biases) of ``nodes``, inserted at ``at``."""
+    ws = [_weights(n) for n in nodes]
+    merged = [m.ctx.derive_concat(m.graph, [group[i] for group in ws]) for i in range(len(ws[0]))]
+    bias = m.ctx.derive_concat(m.graph, [_bias(n) for n in nodes]) if _biased(nodes[0]) else None
+    return m.insert(nodes[0].op, [x, *merged, bias], at)
 
 
 def _add_rms_norm(m: Site) -> bool:
@@ -35,13 +68,12 @@ the sum as a second output for its other users."""
 
 def _merge_gate_up(m: Site) -> bool:
     g, u, act = m["g.node"], m["u.node"], m["act.node"]
-    wg, wu = m["wg"], m["wu"]
     if _biased(g) or _biased(u) or not m.single_use(m["g"], m["u"], m["act"]):
         return False  # biased projections are not merged; a shared intermediate must stay
-    if wg.type.dtype != wu.type.dtype or wg.type.shape[1:] != wu.type.shape[1:]:
+    if not _mergeable([g, u]):
         return False
     at = m.index()
-    lin = m.insert("linear", [m["x"], m.ctx.derive_concat(m.graph, [wg, wu])], at)
+    lin = _merged_linear(m, [g, u], m["x"], at)
     out = m.insert("swiglu", [lin.outputs[0]], at + 1)
     m.replace([m.node.outputs[0]], out.outputs, [m.node, g, u, act])
     return True
@@ -50,33 +82,29 @@ def _merge_gate_up(m: Site) -> bool:
 MERGE_GATE_UP = Rule(
     P(
         "mul",
-        P("silu", P("linear", P(name="x"), P(name="wg", kind="param"), name="g"), name="act"),
-        P("linear", P(name="x"), P(name="wu", kind="param"), name="u"),
+        P("silu", P(LINEARS, P(name="x"), P(name="wg", kind="param"), name="g"), name="act"),
+        P(LINEARS, P(name="x"), P(name="wu", kind="param"), name="u"),
     ),
     _merge_gate_up,
 )
-"""mul(silu(linear(x, Wg)), linear(x, Wu)) -> swiglu(linear(x, [Wg | Wu]))."""
+"""mul(silu(linear(x, Wg)), linear(x, Wu)) -> swiglu(linear(x, [Wg | Wu])) (also for linear_wq)."""
 
 
 def _merge_projections(m: Site) -> bool:
     x = m["x"]
-    nodes = [n for n in m.graph.nodes if n.op == "linear" and n.inputs[0] is x and n.inputs[1].kind == "param"]
+    nodes = [n for n in m.graph.nodes if n.op == m.node.op and n.inputs[0] is x and n.inputs[1].kind == "param"]
     if len(nodes) < 2 or nodes[0] is not m.node:
         return False  # a group is merged once, from its first member
-    ws = [n.inputs[1] for n in nodes]
-    biased = {_biased(n) for n in nodes}
-    if len(biased) > 1 or len({(w.type.dtype, w.type.shape[1:]) for w in ws}) > 1:
+    if len({_biased(n) for n in nodes}) > 1 or not _mergeable(nodes):
         return False
-    merged = m.ctx.derive_concat(m.graph, ws)
-    bias = m.ctx.derive_concat(m.graph, [n.inputs[2] for n in nodes]) if True in biased else None
     at = m.index()
-    lin = m.insert("linear", [x, merged, bias], at)
-    parts = m.insert("split", [lin.outputs[0]], at + 1, sizes=tuple(w.type.shape[0] for w in ws))
+    lin = _merged_linear(m, nodes, x, at)
+    parts = m.insert("split", [lin.outputs[0]], at + 1, sizes=tuple(n.inputs[1].type.shape[0] for n in nodes))
     m.replace([n.outputs[0] for n in nodes], parts.outputs, nodes)
     return True
 
 
-MERGE_PROJECTIONS = Rule(P("linear", P(name="x"), P(name="w", kind="param")), _merge_projections)
+MERGE_PROJECTIONS = Rule(P(LINEARS, P(name="x"), P(name="w", kind="param")), _merge_projections)
 """Horizontal fusion: linears reading the same input with parameter weights (Q/K/V) become one
 linear over the concatenated weights plus a split."""
 

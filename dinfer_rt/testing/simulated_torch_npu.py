@@ -322,6 +322,33 @@ def npu_moe_finalize_routing(
     return out.to(expanded_permuted_rows.dtype)
 
 
+def npu_weight_quant_batchmatmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    antiquant_scale: torch.Tensor,
+    antiquant_offset: torch.Tensor | None = None,
+    quant_scale: torch.Tensor | None = None,
+    quant_offset: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    antiquant_group_size: int = 0,
+) -> torch.Tensor:
+    """x (M, K) @ ((weight + antiquant_offset) * antiquant_scale) for an int8 (K, N) weight and a
+    per-channel (N,) / (1, N) scale in x's dtype; output in x's dtype (no quant_scale)."""
+    op = "npu_weight_quant_batchmatmul"
+    _float16ish(op, x, allow_fp32=False)
+    _need(x.dim() == 2 and weight.dim() == 2, op, "x and weight must be 2-D (M, K) and (K, N)")
+    _need(weight.dtype == torch.int8, op, f"weight must be int8 (K, N), got {weight.dtype}")
+    _need(x.shape[1] == weight.shape[0], op, f"x {tuple(x.shape)} and weight {tuple(weight.shape)} (K, N) differ in K")
+    _need(antiquant_scale.dtype == x.dtype, op, "antiquant_scale must have x's dtype")
+    _need(antiquant_scale.numel() == weight.shape[1], op, f"per-channel antiquant_scale needs {weight.shape[1]} values")
+    _need(quant_scale is None and quant_offset is None and antiquant_group_size == 0, op, "only per-channel is simulated")
+    w = weight.to(x.dtype)
+    if antiquant_offset is not None:
+        w = w + antiquant_offset.reshape(1, -1)
+    y = x @ (w * antiquant_scale.reshape(1, -1))
+    return y + bias.to(x.dtype) if bias is not None else y
+
+
 def install(monkeypatch) -> object:
     """Put this module in ``sys.modules['torch_npu']`` for one test (pytest monkeypatch)."""
     module = sys.modules[__name__]

@@ -72,6 +72,13 @@ def render(report: dict) -> str:
                 f"- free-running greedy: exact match {fr['exact_match']:.3f}, first divergence "
                 f"{fr['first_divergence']} ({'pass' if fr['passed'] else 'FAIL'})"
             )
+            if checks.get("precision", {}).get("rows"):
+                out.append("- low precision vs this backend's full precision (teacher-forced, threshold decisions):")
+                out += [
+                    f"  - {row['precision']} mask {row['mask_fraction']}: rel {_f(row['max_rel'])}, argmax "
+                    f"{row['argmax_agreement']:.3f}, decisions {row['decision_agreement']:.3f}"
+                    for row in checks["precision"]["rows"]
+                ]
             if "accuracy" in checks:
                 a = checks["accuracy"]
                 out.append(

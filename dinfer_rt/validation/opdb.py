@@ -92,6 +92,9 @@ def cases(quick: bool = False) -> list[OpCase]:
             float_inputs=(0, 1, 2),
         ),
         OpCase("linear", "size1", lambda g: [_r(g, 1, 1, 16), _r(g, 8, 16, scale=0.25), None], float_inputs=(0, 1)),
+        _linear_wq_case("int8-bias", "int8", bias=True),
+        _linear_wq_case("fp8", "fp8", bias=False),
+        OpCase("linear_gptq", "g16-act-order", _gptq_inputs, {"zero_offset": 1}, float_inputs=(0, 3)),
         OpCase(
             "rms_norm",
             "hidden-odd",
@@ -267,3 +270,24 @@ def _moe_routed_inputs(grouped: bool):
         ]
 
     return build
+
+
+def _linear_wq_case(bucket: str, fmt: str, bias: bool) -> OpCase:
+    """Weight-only quantised linear: the quantised weight and its fp32 scale are exact inputs (the
+    reference dequantises them in float64), so only the activations carry the tested dtype."""
+    from dinfer_rt.quant import quantize
+
+    def build(g):
+        q, scale = quantize(_r(g, 40, 48, scale=0.2), fmt)
+        return [_r(g, 2, 5, 48), q, scale, _r(g, 40) if bias else None]
+
+    return OpCase("linear_wq", bucket, build, float_inputs=(0, 3), keep_fp32_inputs=(2,))
+
+
+def _gptq_inputs(g):
+    """A GPTQ 4-bit layer, in 48 -> 16, group 16, with act-order (a permuted g_idx)."""
+    qweight = torch.randint(-(2**31), 2**31 - 1, (48 // 8, 16), generator=g, dtype=torch.int32)
+    qzeros = torch.randint(-(2**31), 2**31 - 1, (3, 16 // 8), generator=g, dtype=torch.int32)
+    scales = 0.01 + 0.02 * torch.rand(3, 16, generator=g, dtype=F64)
+    g_idx = (torch.arange(48) // 16)[torch.randperm(48, generator=g)].to(torch.int32)
+    return [_r(g, 2, 5, 48), qweight, qzeros, scales, g_idx, None]
