@@ -69,12 +69,13 @@ def lower(
             P[p.name] = g.param(p.name, TensorType(p.shape, acc if p.keep_fp32 else dtype))
     zero_offset = quant.gptq_config(spec.config, "config.json")["zero_offset"] if weight_format == "gptq4" else 0
 
-    def proj(x: Value, name: str, bias: Value | None = None) -> Value:
+    def proj(x: Value, name: str, *tail: Value | None) -> Value:
+        """The projection ``name`` of x (``tail``: its bias input, possibly None, when it has a slot)."""
         if name not in Q:
-            return g.op("linear", x, P[name], bias)
+            return g.op("linear", x, P[name], *tail)
         if weight_format == "gptq4":
-            return g.op("linear_gptq", x, *Q[name], bias, zero_offset=zero_offset)
-        return g.op("linear_wq", x, *Q[name], bias)
+            return g.op("linear_gptq", x, *Q[name], *tail, zero_offset=zero_offset)
+        return g.op("linear_wq", x, *Q[name], *tail)
     if spec.tie_embeddings:
         P["lm_head"] = P["embed"]
 

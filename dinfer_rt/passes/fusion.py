@@ -44,12 +44,13 @@ def _mergeable(nodes) -> bool:
     return len({tuple((w.type.dtype, w.type.shape[1:]) for w in group) for group in ws}) == 1
 
 
-def _merged_linear(m: Site, nodes, x, at: int):
-    """One linear over the row-concatenated weights (and biases) of ``nodes``, inserted at ``at``."""
+def _merged_linear(m: Site, nodes, x, at: int, bias_slot: bool):
+    """One linear over the row-concatenated weights (and biases) of ``nodes``, inserted at ``at``
+    (``bias_slot``: pass the bias input even when there is none)."""
     ws = [_weights(n) for n in nodes]
     merged = [m.ctx.derive_concat(m.graph, [group[i] for group in ws]) for i in range(len(ws[0]))]
     bias = m.ctx.derive_concat(m.graph, [_bias(n) for n in nodes]) if _biased(nodes[0]) else None
-    return m.insert(nodes[0].op, [x, *merged, bias], at)
+    return m.insert(nodes[0].op, [x, *merged] + ([bias] if bias_slot or bias is not None else []), at)
 
 
 def _add_rms_norm(m: Site) -> bool:
@@ -73,7 +74,7 @@ def _merge_gate_up(m: Site) -> bool:
     if not _mergeable([g, u]):
         return False
     at = m.index()
-    lin = _merged_linear(m, [g, u], m["x"], at)
+    lin = _merged_linear(m, [g, u], m["x"], at, bias_slot=False)
     out = m.insert("swiglu", [lin.outputs[0]], at + 1)
     m.replace([m.node.outputs[0]], out.outputs, [m.node, g, u, act])
     return True
@@ -98,7 +99,7 @@ def _merge_projections(m: Site) -> bool:
     if len({_biased(n) for n in nodes}) > 1 or not _mergeable(nodes):
         return False
     at = m.index()
-    lin = _merged_linear(m, nodes, x, at)
+    lin = _merged_linear(m, nodes, x, at, bias_slot=True)
     parts = m.insert("split", [lin.outputs[0]], at + 1, sizes=tuple(n.inputs[1].type.shape[0] for n in nodes))
     m.replace([n.outputs[0] for n in nodes], parts.outputs, nodes)
     return True

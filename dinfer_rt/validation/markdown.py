@@ -49,6 +49,19 @@ def render(report: dict) -> str:
         ]
         out += ["", "### Fused vs unfused", "", "| model | rewrites | max rel err | passed |", "|---|---|---|---|"]
         out += [f"| {p['model']} | {p['rewrites']} | {_f(p['max_rel'])} | {p['passed']} |" for p in r["passes"]["rows"]]
+        if r.get("precision", {}).get("rows"):
+            out += [
+                "",
+                "### Quantised weights vs this backend's full precision (embedded model, informational)",
+                "",
+                "| precision | mask fraction | max rel logit err | argmax agreement | threshold decisions agree |",
+                "|---|---|---|---|---|",
+            ]
+            out += [
+                f"| {row['precision']} | {row['mask_fraction']} | {_f(row['max_rel'])} | "
+                f"{row['argmax_agreement']:.3f} | {row['decision_agreement']:.3f} |"
+                for row in r["precision"]["rows"]
+            ]
         out += ["", "### Model level (vs float64 reference)", ""]
         for name, checks in r["models"].items():
             tf = checks["teacher_forced"]
@@ -72,13 +85,6 @@ def render(report: dict) -> str:
                 f"- free-running greedy: exact match {fr['exact_match']:.3f}, first divergence "
                 f"{fr['first_divergence']} ({'pass' if fr['passed'] else 'FAIL'})"
             )
-            if checks.get("precision", {}).get("rows"):
-                out.append("- low precision vs this backend's full precision (teacher-forced, threshold decisions):")
-                out += [
-                    f"  - {row['precision']} mask {row['mask_fraction']}: rel {_f(row['max_rel'])}, argmax "
-                    f"{row['argmax_agreement']:.3f}, decisions {row['decision_agreement']:.3f}"
-                    for row in checks["precision"]["rows"]
-                ]
             if "accuracy" in checks:
                 a = checks["accuracy"]
                 out.append(
