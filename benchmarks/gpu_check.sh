@@ -3,7 +3,8 @@
 # torch, triton, pluggy, safetensors, tokenizers, jinja2 and pytest and cannot fetch packages,
 # so dinfer-rt is installed without dependencies. Results go to ${OUT:-benchmarks/results}.
 # Status: prepared without a GPU (none was lent to the sessions that wrote it); not yet run.
-# It also checks continuous batching on the device (per-row attention windows, engine vs offline).
+# It also checks continuous batching on the device (per-row attention windows, engine vs offline)
+# and weight-only quantisation (int8 / fp8 dequant GEMMs vs bf16, the precision schedule step cost).
 # Needs pluggy >= 1.5 in the image (hooks are called through pluggy's relay).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -114,7 +114,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     if a.tensor_parallel_size > 1 or a.data_parallel_size > 1:
         return _generate_tensor_parallel(a)
-    llm = LLM(a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights, quantization=a.quantization)
+    llm = LLM(
+        a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights, quantization=a.quantization
+    )
     outs = llm.generate(a.prompts, _params(a))
     for o in outs:
         if a.json:
@@ -176,7 +178,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
         shutdown_after_requests=a.shutdown_after_requests,
         shutdown_after_s=a.shutdown_after_s,
     )
-    model = load_model(a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights, quantization=a.quantization)
+    model = load_model(
+        a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights, quantization=a.quantization
+    )
     return serve(model, defaults, config)
 
 
@@ -192,7 +196,9 @@ def cmd_eval(a: argparse.Namespace) -> int:
             check_writable_dir(a.output.parent, "--output folder")
     elif a.limit is not None and a.limit > 1000:
         raise DinferError(f"eval --limit {a.limit}: the held-out set has 1000 items")
-    llm = LLM(a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights, quantization=a.quantization)
+    llm = LLM(
+        a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights, quantization=a.quantization
+    )
     if a.data is not None:
         return _eval_data(llm, a)
     from dinfer_rt.demo.bench import evaluate
@@ -249,7 +255,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from dinfer_rt.llm import LLM
     from dinfer_rt.validation.perf import measure
 
-    llm = LLM(a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights, quantization=a.quantization)
+    llm = LLM(
+        a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights, quantization=a.quantization
+    )
     params = _params(a)
     prompts = [llm.encode(it.letters, params.chat) for it in task.heldout(a.batch_size)]
     result = measure(llm.model, prompts, params, a.warmup, a.iters)

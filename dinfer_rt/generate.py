@@ -142,7 +142,7 @@ def generate_batch(
                 commit = forward.commit(out[1], masked, quota, out[0], x[:, s:e], rule=forward.device_rule)
             else:
 
-                def decide(out):
+                def decide(out, masked=masked, quota=quota, state=state):
                     if forward.use_confidence:  # the head already banned the mask token
                         step_in = strategies.StepInput(None, masked, quota, 0.0, gen, state, x0=out[0], conf=out[1])
                     else:

@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from dinfer_rt.dtypes import accumulate_dtype
 from dinfer_rt import quant
+from dinfer_rt.dtypes import accumulate_dtype
 from dinfer_rt.ir import Graph, TensorType, Value
 from dinfer_rt.spec import ModelSpec, param_plan
 
@@ -76,6 +76,7 @@ def lower(
         if weight_format == "gptq4":
             return g.op("linear_gptq", x, *Q[name], *tail, zero_offset=zero_offset)
         return g.op("linear_wq", x, *Q[name], *tail)
+
     if spec.tie_embeddings:
         P["lm_head"] = P["embed"]
 

@@ -225,7 +225,9 @@ class Model:
         if not torch.isin(select, want).all():
             raise GenerationError("confidence: every selected position must be computed")
         inputs["select"] = self._predicted_by(run, select).to(self.backend.device())
-        out = self.executable(cache is not None, block_size, head="confidence", score=score, precision=precision)(inputs)
+        out = self.executable(cache is not None, block_size, head="confidence", score=score, precision=precision)(
+            inputs
+        )
         return out["confidence"], out["token"]
 
     @torch.no_grad()

@@ -72,7 +72,9 @@ def check_values(ckpt: Checkpoint, name: str, tensor: torch.Tensor, converted: t
         raise CheckpointError(f"{where} overflows {converted.dtype}: its values exceed the dtype's range")
 
 
-def load_gptq(ckpt: Checkpoint, spec: ModelSpec, plan: list[ParamPlan], gptq: dict, dtype: torch.dtype, weights) -> None:
+def load_gptq(
+    ckpt: Checkpoint, spec: ModelSpec, plan: list[ParamPlan], gptq: dict, dtype: torch.dtype, weights
+) -> None:
     """Read a GPTQ checkpoint's packed projections as stored (scales converted to ``dtype``)
     into ``weights`` under ``<param>@gptq4.<kind>``; a g_idx naming a group that does not exist
     or a non-finite scale is one error naming the tensor."""

@@ -89,7 +89,9 @@ def test_ascend_int8_goes_through_npu_weight_quant_batchmatmul(monkeypatch):
     be = _backends(monkeypatch)["ascend"]
     calls = []
     real = simulated_torch_npu.npu_weight_quant_batchmatmul
-    monkeypatch.setattr(simulated_torch_npu, "npu_weight_quant_batchmatmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        simulated_torch_npu, "npu_weight_quant_batchmatmul", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     q, scale = quant.quantize(torch.randn(16, 32), "int8")
     x = torch.randn(3, 32, dtype=torch.bfloat16)
     kernel, _ = be.kernel_table()["linear_wq"]
@@ -223,6 +225,17 @@ def test_gptq_checkpoint_loads_and_equals_its_float_twin(tmp_path, group, act_or
     assert out[0].stats.nfe > 0
 
 
+def test_gptq_model_on_the_interpreted_triton_kernel_matches_cpu(tmp_path, monkeypatch):
+    src = checkpoints.llada(tmp_path / "src", d=48, mlp=80)
+    gptq, _ = _gptq_checkpoint(src, tmp_path, 16, True)
+    monkeypatch.setenv("DINFER_INTERPRET", "1")
+    plugins.registry.cache_clear()
+    cpu, cuda = load_model(gptq, backend="cpu"), load_model(gptq, backend="cuda")
+    ids = torch.randint(0, cpu.spec.vocab, (1, 6))
+    assert rel(cuda.forward(ids), cpu.forward(ids)) < 1e-5
+    assert cuda.executable(False).fallbacks["linear_gptq"] == 0
+
+
 def test_gptq_bad_layouts_are_one_line_errors(tmp_path):
     src = checkpoints.llada(tmp_path / "src", d=48, mlp=80)
     gptq, _ = _gptq_checkpoint(src, tmp_path, 16, False)
@@ -300,7 +313,9 @@ def _counting(model, monkeypatch):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("cache", ["none", "dual"])
-def test_schedule_alternates_executables_and_full_precision_finishes_every_block(embedded, monkeypatch, strategy, cache):
+def test_schedule_alternates_executables_and_full_precision_finishes_every_block(
+    embedded, monkeypatch, strategy, cache
+):
     from dinfer_rt.demo import task
 
     tok = embedded.tokenizer
@@ -348,7 +363,9 @@ def test_precision_refresh_recomputes_the_cache_after_low_precision(embedded):
 
 def test_schedule_model_mismatches_are_one_line_errors(embedded, ckpt_dir):
     with pytest.raises(GenerationError, match="last stage 'bf16' is not the model's dtype"):
-        generate_batch(embedded, [[7, 8]], SamplingParams(gen_length=8, block_length=8, precision_schedule="int8@0.5,bf16"))
+        generate_batch(
+            embedded, [[7, 8]], SamplingParams(gen_length=8, block_length=8, precision_schedule="int8@0.5,bf16")
+        )
     q = load_model(ckpt_dir("llada"), quantization="int8")
     with pytest.raises(GenerationError, match="holds int8 weights only"):
         generate_batch(q, [[7, 8]], SamplingParams(gen_length=8, block_length=8, precision_schedule="fp8@0.5,full"))

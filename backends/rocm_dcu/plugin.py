@@ -84,9 +84,7 @@ class RocmDcuBackend(TritonBackend):
             "identified_by": self.identified_by,
         }
         formats = ("int8", "fp8", "gptq4") if "fp8" in rec.matrix_dtypes else ("int8", "gptq4")
-        return Capabilities(
-            dtypes=dtypes, warp_size=64, collectives="nccl (RCCL)", extra=extra, weight_formats=formats
-        )
+        return Capabilities(dtypes=dtypes, warp_size=64, collectives="nccl (RCCL)", extra=extra, weight_formats=formats)
 
     def tuning(self) -> dict:
         """The arch's wave64 row; under the interpreter, with its rows/heads per program raised

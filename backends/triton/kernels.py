@@ -555,6 +555,52 @@ def linear_wq_kernel(
 
 
 @triton.jit
+def linear_gptq_kernel(
+    x_ptr,
+    qw_ptr,
+    qz_ptr,
+    s_ptr,
+    g_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    zero_offset,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """GPTQ 4-bit dequant GEMM: y = x W^T with W[n, k] = (q[k, n] - (z[g[k], n] + zero_offset)) *
+    s[g[k], n]; q packed eight per int32 along K (``qweight`` [K/8, N]), z along N (``qzeros``
+    [G, N/8]), g = ``g_idx`` [K] (act-order permutes it). Tiles are dequantised in registers and
+    rounded to x's dtype, as the reference dequantises the whole weight; fp32 accumulation."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, cm = rows < M, cols < N
+    dtype = y_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        km = ks < K
+        wm = km[:, None] & cm[None, :]
+        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        word = tl.load(qw_ptr + (ks // 8)[:, None] * N + cols[None, :], mask=wm, other=0)
+        q = (word >> ((ks % 8) * 4)[:, None]) & 0xF
+        grp = tl.load(g_ptr + ks, mask=km, other=0)
+        zword = tl.load(qz_ptr + grp[:, None] * (N // 8) + (cols // 8)[None, :], mask=wm, other=0)
+        z = ((zword >> ((cols % 8) * 4)[None, :]) & 0xF) + zero_offset
+        sc = _round(tl.load(s_ptr + grp[:, None] * N + cols[None, :], mask=wm, other=0.0).to(tl.float32), dtype)
+        w = _round((q - z).to(tl.float32) * sc, dtype)
+        acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+    if HAS_BIAS:
+        acc = _round(acc, dtype) + tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], _narrow(acc, dtype), mask=rm[:, None] & cm[None, :])
+
+
+@triton.jit
 def _commit_row(row, conf, masked, quota, x0, x, out, n_slots, x_stride, threshold, TOP_K, BLOCK_L):
     """One row's commit decisions (see ``commit_kernel``)."""
     conf, masked, x0, out = conf + row * n_slots, masked + row * n_slots, x0 + row * n_slots, out + row * n_slots

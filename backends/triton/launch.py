@@ -67,7 +67,7 @@ def default_config(kernel: str, t: dict) -> dict:
         return {"ROWS": max(t["rows"], 4)}
     if kernel == "router":
         return {"ROWS": max(t["rows"], 16) if t["rows"] > 1 else 16}
-    if kernel == "linear_wq":
+    if kernel in ("linear_wq", "linear_gptq"):
         return {"BLOCK_M": t["gemm_m"], "BLOCK_N": t["gemm_n"], "BLOCK_K": t["gemm_k"], "num_warps": t["gemm_warps"]}
     if kernel in ("lm_head_confidence", "moe"):
         head = {"BLOCK_V": t["gemm_n"]} if kernel == "lm_head_confidence" else {"BLOCK_N": t["gemm_n"]}

@@ -23,6 +23,7 @@ KERNELS = (
     "router",
     "moe",
     "linear_wq",
+    "linear_gptq",
 )
 SCORE_KINDS = {"max": 0, "margin": 1, "entropy": 2}
 
@@ -177,6 +178,19 @@ def make_kernels(
         kern.linear_wq_kernel[grid](xc, q, scale, b, y, m, n, k, HAS_BIAS=bias is not None, FP8=fp8, **cfg)
         return y.reshape(*x.shape[:-1], n)
 
+    def linear_gptq(x, qweight, qzeros, scales, g_idx, bias=None, *, zero_offset=1):
+        """GPTQ 4-bit dequant GEMM over the flattened rows of x (scales read in their own dtype)."""
+        xc = x.reshape(-1, x.shape[-1]).contiguous()
+        m, k = xc.shape
+        n = qweight.shape[1]
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        cfg = tuned["linear_gptq"]
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+        tensors = (qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), g_idx.contiguous())
+        b = bias if bias is not None else scales
+        kern.linear_gptq_kernel[grid](xc, *tensors, b, y, m, n, k, zero_offset, HAS_BIAS=bias is not None, **cfg)
+        return y.reshape(*x.shape[:-1], n)
+
     def attention(q, k, v, key_valid, token_index, k_cache=None, v_cache=None, *, scale, block_size=None):
         qc = q.contiguous()
         # the cache is read in place after the splice; fresh K/V must be contiguous rows
@@ -309,4 +323,5 @@ def make_kernels(
         "rope": rope,
         "lm_head_confidence": lm_head_confidence,
         "linear_wq": linear_wq,
+        "linear_gptq": linear_gptq,
     }

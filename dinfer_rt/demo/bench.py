@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from dinfer_rt.demo import task
 from dinfer_rt.llm import LLM
@@ -18,6 +18,7 @@ class EvalResult:
     tokens_per_s: float
     wall_s: float
     n: int
+    forwards_by_precision: dict[str, int] = field(default_factory=dict)  # summed over batches
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -30,9 +31,14 @@ def evaluate(llm: LLM, params: SamplingParams, limit: int = task.HELDOUT_SIZE, p
     wall = time.perf_counter() - start
     correct = sum(task.check(it.letters, o.text) for it, o in zip(items, outs))
     tokens = sum(o.stats.tokens for o in outs)
-    nfe_batches = {}
+    nfe_batches, by_precision = {}, {}
     for i, o in enumerate(outs):
         nfe_batches[i // params.batch_size] = o.stats.nfe
+        by_precision[i // params.batch_size] = o.stats.precision_forwards
+    per: dict[str, int] = {}
+    for batch in by_precision.values():
+        for k, v in batch.items():
+            per[k] = per.get(k, 0) + v
     nfe = sum(nfe_batches.values())
     row_forwards = sum(o.stats.nfe for o in outs)
     return EvalResult(
@@ -42,4 +48,5 @@ def evaluate(llm: LLM, params: SamplingParams, limit: int = task.HELDOUT_SIZE, p
         tokens_per_s=tokens / wall if wall > 0 else 0.0,
         wall_s=wall,
         n=len(items),
+        forwards_by_precision=per,
     )

@@ -14,7 +14,6 @@ from dinfer_rt.ir import TensorType
 from dinfer_rt.passes.pattern import P
 from dinfer_rt.passes.rewrite import Rule, Site, rules_pass
 
-
 LINEARS = ("linear", "linear_wq")
 """Linears whose weight inputs concatenate along the output dim: the float one ([out, in]) and the
 weight-only quantised one (qweight [out, in] and its per-row scale [out]), so merged Q/K/V and

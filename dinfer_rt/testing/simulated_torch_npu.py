@@ -341,7 +341,9 @@ def npu_weight_quant_batchmatmul(
     _need(x.shape[1] == weight.shape[0], op, f"x {tuple(x.shape)} and weight {tuple(weight.shape)} (K, N) differ in K")
     _need(antiquant_scale.dtype == x.dtype, op, "antiquant_scale must have x's dtype")
     _need(antiquant_scale.numel() == weight.shape[1], op, f"per-channel antiquant_scale needs {weight.shape[1]} values")
-    _need(quant_scale is None and quant_offset is None and antiquant_group_size == 0, op, "only per-channel is simulated")
+    _need(
+        quant_scale is None and quant_offset is None and antiquant_group_size == 0, op, "only per-channel is simulated"
+    )
     w = weight.to(x.dtype)
     if antiquant_offset is not None:
         w = w + antiquant_offset.reshape(1, -1)
