@@ -150,7 +150,8 @@ def main() -> None:
     ]
     lines += [
         f"| {r['config']} | {r['accuracy']:.1%} | {r['identical_to_full']:.0%} | {r['forwards']} | "
-        f"{r['low_precision_share']:.0%} | {r['tokens_per_forward']:.2f} | {r['tokens_per_s']:.0f} | {r['weight_bytes']:,} |"
+        f"{r['low_precision_share']:.0%} | {r['tokens_per_forward']:.2f} | {r['tokens_per_s']:.0f} | "
+        f"{r['weight_bytes']:,} |"
         for r in rows
     ]
     lines += [
