@@ -135,11 +135,12 @@ class Checkpoint:
         return set(self.files)
 
     def read(
-        self, names: list[str], slices: dict[str, tuple[int, int, int]] | None = None
+        self, names: list[str], slices: dict[str, tuple[int, list[tuple[int, int]]]] | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield tensors one at a time, grouped by file (each file opened once, memory-mapped).
-        ``slices[name] = (dim, lo, hi)`` reads only that range of dim 0 or 1 (safetensors'
-        ``get_slice``: a tensor-parallel rank reads its shard, not the whole tensor)."""
+        ``slices[name] = (dim, [(lo, hi), ...])`` reads only those ranges of dim 0 or 1,
+        concatenated (safetensors' ``get_slice``: a tensor-parallel rank reads its shard, not the
+        whole tensor; a fused QKV weight gives three ranges)."""
         slices = slices or {}
         from safetensors import SafetensorError, safe_open
 
@@ -154,9 +155,10 @@ class Checkpoint:
                     raise CheckpointError(f"{path}: cannot open as safetensors ({e})") from None
                 for n in group:
                     if n in slices:
-                        dim, lo, hi = slices[n]
+                        dim, ranges = slices[n]
                         view = fh.get_slice(n)
-                        t = view[lo:hi] if dim == 0 else view[:, lo:hi]
+                        parts = [view[lo:hi] if dim == 0 else view[:, lo:hi] for lo, hi in ranges]
+                        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
                     else:
                         t = fh.get_tensor(n)
                     self.bytes_read += t.numel() * t.element_size()

@@ -55,6 +55,31 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", type=_int_in(1), default=1, help="shard the model over N worker processes")
+    p.add_argument(
+        "--data-parallel-size", type=_int_in(1), default=1, help="M replicas (own TP groups) split the prompts"
+    )
+
+
+def _llm(a: argparse.Namespace):
+    """The LLM the model flags describe: in this process, or on worker processes (TP / DP > 1)."""
+    from dinfer_rt.llm import LLM
+
+    tp, dp = getattr(a, "tensor_parallel_size", 1), getattr(a, "data_parallel_size", 1)
+    if (tp > 1 or dp > 1) and a.quantization is not None:
+        raise DinferError("--quantization with --tensor-parallel-size / --data-parallel-size is not supported yet")
+    return LLM(
+        a.model,
+        backend=a.backend,
+        dtype=a.dtype,
+        check_weights=not a.no_check_weights,
+        quantization=a.quantization,
+        tensor_parallel_size=tp,
+        data_parallel_size=dp,
+    )
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     d = SamplingParams()
     p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy)
@@ -152,12 +177,12 @@ def _generate_tensor_parallel(a: argparse.Namespace) -> int:
         if rank != 0:
             return 0
     else:
-        outs = parallel.generate(
+        outs = parallel.generate_outputs(
             a.model, a.prompts, _params(a), tensor_parallel_size=world, data_parallel_size=a.data_parallel_size,
             backend=a.backend, dtype=a.dtype,
         )  # fmt: skip
-    for prompt, (text, ids) in zip(a.prompts, outs):
-        print(json.dumps({"prompt": prompt, "text": text, "token_ids": ids}) if a.json else text)
+    for prompt, o in zip(a.prompts, outs):
+        print(json.dumps({"prompt": prompt, "text": o.text, "token_ids": o.token_ids}) if a.json else o.text)
     return 0
 
 
@@ -185,7 +210,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
-    from dinfer_rt.llm import LLM
 
     if a.data is not None:
         from dinfer_rt.evaluation import read_items, scorer
@@ -196,9 +220,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
             check_writable_dir(a.output.parent, "--output folder")
     elif a.limit is not None and a.limit > 1000:
         raise DinferError(f"eval --limit {a.limit}: the held-out set has 1000 items")
-    llm = LLM(
-        a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights, quantization=a.quantization
-    )
+    llm = _llm(a)
     if a.data is not None:
         return _eval_data(llm, a)
     from dinfer_rt.demo.bench import evaluate
@@ -252,15 +274,20 @@ def _eval_data(llm, a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     """Per-step latency percentiles, tokens/s and peak memory for one configuration."""
     from dinfer_rt.demo import task
-    from dinfer_rt.llm import LLM
     from dinfer_rt.validation.perf import measure
 
-    llm = LLM(
-        a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights, quantization=a.quantization
-    )
     params = _params(a)
-    prompts = [llm.encode(it.letters, params.chat) for it in task.heldout(a.batch_size)]
-    result = measure(llm.model, prompts, params, a.warmup, a.iters)
+    if a.tensor_parallel_size > 1:
+        from dinfer_rt import parallel
+
+        if a.data_parallel_size > 1 or a.quantization is not None:
+            raise DinferError("bench --tensor-parallel-size: one TP group, unquantised (no --data-parallel-size)")
+        args = (a.model, a.batch_size, params, a.warmup, a.iters, a.backend, a.dtype)
+        result = parallel.launch(a.tensor_parallel_size, parallel.bench_worker, *args, backend=a.backend)
+    else:
+        llm = _llm(a)
+        prompts = [llm.encode(it.letters, params.chat) for it in task.heldout(a.batch_size)]
+        result = measure(llm.model, prompts, params, a.warmup, a.iters)
     if a.json:
         print(json.dumps(result))
     else:
@@ -420,10 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("prompts", nargs="+")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    g.add_argument("--tensor-parallel-size", type=_int_in(1), default=1, help="shard the model over N worker processes")
-    g.add_argument(
-        "--data-parallel-size", type=_int_in(1), default=1, help="M replicas (own TP groups) split the prompts"
-    )
+    _add_parallel_args(g)
     _add_model_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
@@ -455,6 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="one JSON object: accuracy, nfe, tpf, tokens_per_s, wall_s, n")
     _add_model_args(e)
     _add_sampling_args(e)
+    _add_parallel_args(e)
     e.set_defaults(func=cmd_eval, batch_size=50)
     k = sub.add_parser("bench", help="per-step latency, tokens/s and peak memory of one configuration")
     k.add_argument("--warmup", type=_int_in(0), default=1)
@@ -462,6 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true")
     _add_model_args(k)
     _add_sampling_args(k)
+    _add_parallel_args(k)
     k.set_defaults(func=cmd_bench, batch_size=8)
     val = sub.add_parser("validate", help="prove backends against the float64 reference; report and verdict")
     val.add_argument("--backends", default="all", help="comma-separated names, or 'all' available backends")

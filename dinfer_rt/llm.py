@@ -42,8 +42,27 @@ class LLM:
         dtype: str | torch.dtype | None = None,
         check_weights: bool = True,
         quantization: str | None = None,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
     ) -> None:
-        if isinstance(model, Model):
+        """``tensor_parallel_size`` / ``data_parallel_size`` > 1: ``generate`` runs on that many
+        worker processes (``dinfer_rt.parallel``; started for each call, each loading only its
+        shard), and this process holds no weights (``self.model`` is None)."""
+        self.parallel = None
+        if tensor_parallel_size > 1 or data_parallel_size > 1:
+            from dinfer_rt import parallel
+            from dinfer_rt.loader import default_model_path
+            from dinfer_rt.spec import parse_spec
+
+            if isinstance(model, Model) or quantization is not None:
+                raise GenerationError(
+                    "tensor_parallel_size > 1 takes a model path (each rank loads its shard), unquantised"
+                )
+            parallel.check_split(parse_spec(Path(model) if model else default_model_path()), tensor_parallel_size)
+            sizes = {"tensor_parallel_size": tensor_parallel_size, "data_parallel_size": data_parallel_size}
+            self.parallel = {"path": model, "backend": backend, "dtype": dtype, **sizes}
+            self.model = None
+        elif isinstance(model, Model):
             self.model = model
         else:
             self.model = load_model(
@@ -51,6 +70,8 @@ class LLM:
             )
 
     def encode(self, prompt: str | list[int], chat: bool) -> list[int]:
+        if self.model is None:
+            raise GenerationError("a tensor-parallel LLM holds no tokenizer here: pass prompts to generate")
         if isinstance(prompt, list):
             return prompt  # ids: checked against the vocabulary by generate_batch
         if not isinstance(prompt, str):
@@ -73,6 +94,11 @@ class LLM:
         prompts = list(prompts) if isinstance(prompts, tuple) else prompts
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        if self.parallel is not None:
+            from dinfer_rt import parallel
+
+            p = dict(self.parallel)
+            return parallel.generate_outputs(p.pop("path"), prompts, params, **p)
         encoded = [self.encode(p, params.chat) for p in prompts]
         eos = set(self.model.eos_ids)
         tok = self.model.tokenizer

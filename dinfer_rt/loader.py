@@ -105,8 +105,7 @@ def load_model(
     weights = Checkpoint(model_dir)
     from dinfer_rt.weights import load_weights
 
-    w = load_weights(weights, spec, dt, check_weights, tp, quantization)
-    w = {k: v.to(be.device()) for k, v in w.items()}
+    w = load_weights(weights, spec, dt, check_weights, tp, quantization, device=be.device())
     model = Model(model_dir, spec, w, tok, be, dt, tuple(disable_passes), tensor_parallel=tp, weight_format=fmt)
     model.bytes_read = weights.bytes_read  # what this process read from the checkpoint files
     model.executable(cached=False)  # lower, verify and compile now: errors surface at load

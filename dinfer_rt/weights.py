@@ -73,7 +73,7 @@ def check_values(ckpt: Checkpoint, name: str, tensor: torch.Tensor, converted: t
 
 
 def load_gptq(
-    ckpt: Checkpoint, spec: ModelSpec, plan: list[ParamPlan], gptq: dict, dtype: torch.dtype, weights
+    ckpt: Checkpoint, spec: ModelSpec, plan: list[ParamPlan], gptq: dict, dtype: torch.dtype, weights, device="cpu"
 ) -> None:
     """Read a GPTQ checkpoint's packed projections as stored (scales converted to ``dtype``)
     into ``weights`` under ``<param>@gptq4.<kind>``; a g_idx naming a group that does not exist
@@ -92,7 +92,7 @@ def load_gptq(
             n_groups = groups["scales"][0]
             if int(tensor.min()) < 0 or int(tensor.max()) >= n_groups:
                 raise CheckpointError(f"{where} names groups outside [0, {n_groups}) (group_size {gptq['group_size']})")
-        weights[f"{name}@gptq4.{kind}"] = tensor
+        weights[f"{name}@gptq4.{kind}"] = tensor.to(device)
 
 
 def load_weights(
@@ -102,6 +102,7 @@ def load_weights(
     check_weights: bool = True,
     tensor_parallel=None,
     quantization: str | None = None,
+    device: torch.device | str = "cpu",
 ) -> dict[str, torch.Tensor]:
     """Read every parameter once, converting each tensor to ``dtype`` as it is read.
 
@@ -110,7 +111,9 @@ def load_weights(
     tensor for NaN / infinity as it is read (one pass per tensor; skip it for trusted
     checkpoints); a non-float tensor is always refused. ``quantization`` ("int8", "fp8")
     quantises each decoder projection as it is read and keeps only the quantised copy; a GPTQ
-    checkpoint (config.json ``quantization_config``) is read in its packed layout.
+    checkpoint (config.json ``quantization_config``) is read in its packed layout. Each tensor
+    goes to ``device`` as it is read, so the host never holds the whole model. Under tensor
+    parallelism a rank reads its slices (``shard_ranges``) and only its experts.
     """
     plan = param_plan(spec)
     gptq = quant.gptq_config(spec.config, ckpt.dir / "config.json")
@@ -120,29 +123,35 @@ def load_weights(
     acc = accumulate_dtype(dtype)
     weights: dict[str, torch.Tensor] = {}
     where: dict[str, tuple[ParamPlan, int]] = {}
+    slices: dict[str, tuple[int, list]] = {}
+    first = 0  # the first expert this rank holds (expert parallelism)
     for p in plan:
-        for slot, src in enumerate(p.sources):
-            where[src] = (p, slot)
-        if p.transform != "copy":
-            weights[p.name] = torch.empty(p.shape, dtype=dtype)
-    slices = {}
-    if tensor_parallel is not None:
-        from dinfer_rt.passes.shard import shard_range
+        shape = p.shape
+        if tensor_parallel is not None:
+            from dinfer_rt.passes.shard import local_shape, shard_ranges
 
-        for p in plan:
-            rng = shard_range(p.name, spec, tensor_parallel)
+            shape = local_shape(p.name, p.shape, spec, tensor_parallel)
+            rng = shard_ranges(p.name, p.shape, spec, tensor_parallel)
             if rng is not None:
-                if p.transform != "copy":
-                    raise CheckpointError(f"tensor parallel: {p.name} is assembled ({p.transform}); not split yet")
                 slices[p.sources[0]] = rng
+        per_expert = 2 if p.transform == "stack_pairs" else 1
+        if p.transform != "copy" and tensor_parallel is not None and spec.moe is not None:
+            first, last = tensor_parallel.expert_range(spec)
+        else:
+            first, last = 0, len(p.sources) // per_expert
+        for slot, src in enumerate(p.sources):
+            if first <= slot // per_expert < last:
+                where[src] = (p, slot - first * per_expert)
+        if p.transform != "copy":
+            weights[p.name] = torch.empty(shape, dtype=dtype, device=device)
     if gptq is not None:
-        load_gptq(ckpt, spec, plan, gptq, dtype, weights)
+        load_gptq(ckpt, spec, plan, gptq, dtype, weights, device)
         where = {src: v for src, v in where.items() if not quant.is_quantizable(v[0].name)}
     for src, tensor in ckpt.read(list(where), slices):
         p, slot = where[src]
         check_values(ckpt, src, tensor, None)
         if p.transform == "copy":
-            weights[p.name] = part = tensor.to(acc if p.keep_fp32 else dtype)
+            weights[p.name] = part = tensor.to(device=device, dtype=acc if p.keep_fp32 else dtype)
         elif p.transform == "stack":
             part = weights[p.name][slot]
             part.copy_(tensor)
@@ -153,6 +162,7 @@ def load_weights(
             part.copy_(tensor)
         if check_weights:
             check_values(ckpt, src, tensor, part)
+        del tensor  # one tensor in flight: the host copy goes as soon as the device holds it
         if quantization is not None and quant.is_quantizable(p.name):
             qname, sname = quant.quantized_names(p.name, quantization)
             weights[qname], weights[sname] = quant.quantize(weights.pop(p.name), quantization)

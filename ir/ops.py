@@ -556,16 +556,30 @@ def _infer_moe(ts, attrs):
     return [x]
 
 
+def local_routing(
+    weights: torch.Tensor, indices: torch.Tensor, first_expert: int, n_local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert parallelism: the routing restricted to the ``n_local`` experts from ``first_expert``
+    a rank holds. Slots routed elsewhere get weight 0 and local expert 0 (computed, contributing
+    nothing), so kernels keep static shapes; the ranks' partial sums are all-reduced."""
+    local = indices - first_expert
+    mine = (local >= 0) & (local < n_local)
+    return torch.where(mine, weights, torch.zeros_like(weights)), torch.where(mine, local, torch.zeros_like(local))
+
+
 @_register("moe_experts", 5)(_infer_moe)
-def moe_experts(x, weights, indices, w_gate_up, w_down):
+def moe_experts(x, weights, indices, w_gate_up, w_down, *, first_expert: int = 0):
     """Weighted sum over each token's chosen SwiGLU experts.
 
     ``w_gate_up`` [E, 2I, H] stacks (gate, up) rows per expert; ``w_down`` is [E, H, I].
-    Tokens are grouped by expert so each expert runs one matmul over its tokens.
+    Tokens are grouped by expert so each expert runs one matmul over its tokens. Under expert
+    parallelism the weights hold experts ``first_expert`` .. ``first_expert + E - 1`` of the
+    model's and ``indices`` stay global: other experts' slots contribute nothing here.
     """
     flat = x.reshape(-1, x.shape[-1])
     idx = indices.reshape(-1, indices.shape[-1])
     wts = weights.reshape(idx.shape)
+    wts, idx = local_routing(wts, idx, first_expert, w_gate_up.shape[0])
     out = torch.zeros(flat.shape, dtype=weights.dtype, device=x.device)
     inter = w_down.shape[-1]
     for e in idx.unique().tolist():
@@ -744,4 +758,4 @@ def moe_routed(x, router_w, expert_bias, w_gate_up, w_down, *, router: str, **ro
         w, idx = router_softmax_topk(logits, **attrs)
     else:
         w, idx = router_sigmoid_grouped(logits, expert_bias, **attrs)
-    return moe_experts(x, w, idx, w_gate_up, w_down)
+    return moe_experts(x, w, idx, w_gate_up, w_down, first_expert=router_attrs.get("first_expert", 0))

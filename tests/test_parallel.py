@@ -90,7 +90,7 @@ def test_greedy_generation_with_two_ranks_equals_one(monkeypatch):
     ):
         want = [(o.text, o.token_ids) for o in llm.generate(prompts, params)]
         got = parallel.launch(2, parallel.generate_worker, None, prompts, params, timeout=240)
-        assert got == want
+        assert [(o.text, o.token_ids) for o in got] == want
 
 
 def test_generate_under_torchrun_and_with_spawned_workers_print_the_one_process_answer(tmp_path):
@@ -158,13 +158,61 @@ def test_a_failing_rank_ends_the_run_naming_it():
     [
         ("dream", 2, "does not divide the 7 attention heads"),
         ("llada_gqa_sharded", 4, "does not divide the 6 attention heads"),
-        ("llada_moe", 2, "expert parallelism is not built yet"),
-        ("llada2", 2, "expert parallelism is not built yet"),
+        ("llada_moe", 2, "does not divide the 3 attention heads"),
+        ("more_ranks_than_experts", 8, "more ranks than the 4 experts"),
+        ("llada2", 3, "does not divide the 4 attention heads"),
     ],
 )
-def test_configurations_that_cannot_be_split_are_one_line_errors(ckpt_dir, name, world, message):
+def test_configurations_that_cannot_be_split_are_one_line_errors(ckpt_dir, tmp_path, name, world, message):
+    if name == "more_ranks_than_experts":
+        path = checkpoints.llada_moe(tmp_path, heads=8, head_dim=6, experts=4, top_k=2)
+    else:
+        path = ckpt_dir(name)
     with pytest.raises(ConfigError, match=message):
-        parallel.check_split(parse_spec(ckpt_dir(name)), world)
+        parallel.check_split(parse_spec(path), world)
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    """LLaDA-MoE with 8 experts and 4 heads; LLaDA2 with fused QKV, 2 KV heads (replicated at 4
+    ranks), partial RoPE, a dense first layer, a shared expert and 8 grouped-routed experts."""
+    return {
+        "llada_moe": checkpoints.llada_moe(tmp_path_factory.mktemp("moe"), heads=4, head_dim=12, experts=8, top_k=3),
+        "llada2": checkpoints.llada2(tmp_path_factory.mktemp("llada2")),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", ["llada_moe", "llada2"])
+def test_expert_parallel_logits_equal_one_process(moe_checkpoints, name, world):
+    path = moe_checkpoints[name]
+    spec = parse_spec(path)
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(4))
+    block = spec.default_block_size if spec.block_causal else None
+    want = dinfer_rt.load_model(path, backend="cpu").forward(ids, block_size=block)
+    got = parallel.launch(world, parallel.forward_worker, path, ids, block, timeout=240)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
+
+
+def test_expert_parallel_graph_and_bytes(moe_checkpoints):
+    """Each rank holds E/N experts and routes with the whole router; per MoE layer one all-reduce
+    for attention, one for the experts and one for the shared experts; dense layers two."""
+    path = moe_checkpoints["llada2"]
+    spec = parse_spec(path)
+    g = shard_graph(lower(spec, torch.float32, block_size=spec.default_block_size), spec, TensorParallel(1, 2))
+    dense = sum(not spec.is_moe_layer(i) for i in range(spec.n_layers))
+    moe_layers = spec.n_layers - dense
+    assert g.op_counts()["all_reduce"] == 2 * dense + 3 * moe_layers
+    moe = next(n for n in g.nodes if n.op == "moe_experts")
+    assert moe.attrs["first_expert"] == 4 and moe.inputs[3].type.shape[0] == 4
+    router = next(p for p in g.params if p.name.endswith("router"))
+    assert router.type.shape[0] == 8  # replicated: every rank routes over all experts
+    split = next(n for n in g.nodes if n.op == "split")
+    assert split.attrs["sizes"] == (2 * spec.head_dim, spec.head_dim, spec.head_dim)  # 4/2 q heads, 2/2 kv heads
+    read, held = parallel.launch(2, _bytes_worker, path, timeout=240)
+    whole = dinfer_rt.load_model(path, backend="cpu")
+    experts = sum(w.numel() * 4 for k, w in whole.weights.items() if k.endswith(("experts_gate_up", "experts_down")))
+    assert read < whole.bytes_read - experts // 2 + 1 and held == read
 
 
 def test_loading_a_shard_without_a_process_group_is_refused(ckpt_dir):

@@ -127,11 +127,12 @@ def make_kernels(npu, fallback: Callable[[str, str], None], vector_cores: int, i
 
     if all(has(n) for n in ("npu_moe_init_routing", "npu_grouped_matmul", "npu_moe_finalize_routing", "npu_swiglu")):
 
-        def moe_experts(x, weights, indices, w_gate_up, w_down):
+        def moe_experts(x, weights, indices, w_gate_up, w_down, *, first_expert=0):
             n_exp, hidden = w_gate_up.shape[0], x.shape[-1]
+            weights, indices = ops.local_routing(weights, indices, first_expert, n_exp)  # expert parallelism
             if n_exp > 128:  # npu_grouped_matmul takes at most 128 weights per call
                 fallback("moe_experts", f"npu_grouped_matmul takes <= 128 groups, the model has {n_exp} experts")
-                return ops.moe_experts(x, weights, indices, w_gate_up, w_down)
+                return ops.moe_experts(x, weights, indices, w_gate_up, w_down)  # already local
             flat = x.reshape(-1, hidden)
             rows, top = flat.shape[0], indices.shape[-1]
             expert = indices.reshape(rows, top).to(torch.int32)

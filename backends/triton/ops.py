@@ -262,10 +262,12 @@ def make_kernels(
         group = {"n_group": n_group, "topk_group": topk_group, "scale": scale}
         return router(logits, bias, k=k, renormalize=renormalize, sigmoid=True, **group)
 
-    def moe_experts(x, weights, indices, w_gate_up, w_down):
+    def moe_experts(x, weights, indices, w_gate_up, w_down, *, first_expert=0):
         """Expert-sorted slots padded per expert to whole tiles, built on the device with no host
-        sync (the padded length is a static bound); two grouped GEMMs; a gather-sum finalize."""
+        sync (the padded length is a static bound); two grouped GEMMs; a gather-sum finalize.
+        Under expert parallelism only this rank's experts contribute (``ops.local_routing``)."""
         hidden, inter, n_exp = x.shape[-1], w_down.shape[-1], w_down.shape[0]
+        weights, indices = ops.local_routing(weights, indices, first_expert, n_exp)
         flat = x.reshape(-1, hidden).contiguous()
         idx = indices.reshape(flat.shape[0], -1)
         n, top = idx.shape
@@ -308,7 +310,7 @@ def make_kernels(
         else:
             keys = ("k", "n_group", "topk_group", "renormalize", "scale")
             w, idx = router_sigmoid_grouped(logits, expert_bias, **{key: router_attrs[key] for key in keys})
-        return moe_experts(x, w, idx, w_gate_up, w_down)
+        return moe_experts(x, w, idx, w_gate_up, w_down, first_expert=router_attrs.get("first_expert", 0))
 
     return {
         "router_softmax_topk": router_softmax_topk,

@@ -168,7 +168,7 @@ def _fold_routing(m: Site) -> bool:
     kind = "softmax" if router.op == "router_softmax_topk" else "sigmoid_grouped"
     bias = router.inputs[1] if kind == "sigmoid_grouped" else None
     inputs = [m["x"], m["wr"], bias, *m.node.inputs[3:5]]
-    fused = m.insert("moe_routed", inputs, m.index(), router=kind, **router.attrs)
+    fused = m.insert("moe_routed", inputs, m.index(), router=kind, **router.attrs, **m.node.attrs)
     m.replace(m.node.outputs, fused.outputs, [m.node, router, lin, cast])
     return True
 

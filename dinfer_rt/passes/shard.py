@@ -1,12 +1,19 @@
-"""The tensor-parallel sharding pass: a lowered dense graph rewritten for rank r of N.
+"""The tensor-parallel sharding pass: a lowered graph rewritten for rank r of N.
 
 Megatron-style, as vLLM does it: Q/K/V and gate/up are column-parallel (each rank computes its
 heads and its slice of the intermediate size), O and down are row-parallel, each followed by an
 ``all_reduce`` (sum): two all-reduces of [tokens x hidden] per layer. When there are fewer KV
 heads than ranks, every rank holds one KV head (replicated), the one its query heads read.
-Embedding, norms and the LM head stay replicated. The pass runs before the backend's fusion
-passes, so fused kernels see the local shapes; the loader reads each rank's weight slices
-(``shard_range``) straight from the safetensors files.
+LLaDA2's fused query_key_value weight is split into each rank's Q, K and V rows (three ranges
+of one tensor). Mixture-of-experts layers use **expert parallelism**: each rank holds E/N of the
+stacked experts, the router runs on every rank (replicated, so every rank routes identically),
+the MoE op computes only its own experts' contributions and an ``all_reduce`` sums them; shared
+experts and dense layers are tensor-parallel. (All-reduce rather than all-to-all: every rank
+already holds every token, so combining partial sums needs no dispatch; an all-to-all would move
+fewer bytes only once tokens are split across ranks too, which is not built.) Embedding, norms
+and the LM head stay replicated. The pass runs before the backend's fusion passes, so fused
+kernels see the local shapes; the loader reads each rank's weight slices (``shard_ranges``,
+``TensorParallel.expert_range``) straight from the safetensors files.
 """
 
 from __future__ import annotations
@@ -18,8 +25,10 @@ from dinfer_rt.ir import Graph, Node, TensorType, Value
 from dinfer_rt.ir.ops import op_def
 from dinfer_rt.spec import ModelSpec
 
-COLUMN = ("q", "k", "v", "gate", "up")  # weight rows split; their biases too
-ROW = ("o", "down")  # weight columns split; the output is summed over ranks
+COLUMN = ("q", "k", "v", "qkv", "gate", "up", "shared_gate", "shared_up")  # weight rows split; their biases too
+ROW = ("o", "down", "shared_down")  # weight columns split; the output is summed over ranks
+EXPERT = ("experts_gate_up", "experts_down")  # stacked experts split along dim 0 (expert parallelism)
+MOE_OPS = ("moe_experts", "moe_routed")
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,11 @@ class TensorParallel:
         h = self.rank * spec.n_kv_heads // self.world
         return h, h + 1
 
+    def expert_range(self, spec: ModelSpec) -> tuple[int, int]:
+        """The routed experts this rank holds (expert parallelism): a contiguous E/N block."""
+        n = spec.moe.n_experts // self.world
+        return self.rank * n, (self.rank + 1) * n
+
 
 def check_split(spec: ModelSpec, world: int) -> None:
     """Whether ``spec`` splits over ``world`` ranks; a one-line error naming the field if not
@@ -49,18 +63,26 @@ def check_split(spec: ModelSpec, world: int) -> None:
         raise ConfigError(f"{where}: must be >= 1")
     if world == 1:
         return
-    if spec.moe is not None:
-        raise ConfigError(f"{where}: {spec.family} has mixture-of-experts layers; expert parallelism is not built yet")
-    if spec.fused_qkv:
-        raise ConfigError(f"{where}: {spec.family}'s fused query_key_value weight is not split yet")
     if spec.n_heads % world:
         raise ConfigError(f"{where} does not divide the {spec.n_heads} attention heads (n_heads)")
     if spec.n_kv_heads >= world and spec.n_kv_heads % world:
         raise ConfigError(f"{where} does not divide the {spec.n_kv_heads} KV heads (n_kv_heads)")
     if spec.n_kv_heads < world and world % spec.n_kv_heads:
         raise ConfigError(f"{where} is not a multiple of the {spec.n_kv_heads} KV heads (replicated KV heads)")
-    if spec.intermediate % world:
-        raise ConfigError(f"{where} does not divide the MLP intermediate size {spec.intermediate}")
+    moe = spec.moe
+    if moe is None:
+        if spec.intermediate % world:
+            raise ConfigError(f"{where} does not divide the MLP intermediate size {spec.intermediate}")
+        return
+    if world > moe.n_experts:
+        raise ConfigError(f"{where}: more ranks than the {moe.n_experts} experts (expert parallelism)")
+    if moe.n_experts % world:
+        raise ConfigError(f"{where} does not divide the {moe.n_experts} experts (expert parallelism)")
+    if moe.n_shared and (moe.expert_intermediate * moe.n_shared) % world:
+        raise ConfigError(f"{where} does not divide the shared experts' size {moe.expert_intermediate * moe.n_shared}")
+    dense = any(not spec.is_moe_layer(i) for i in range(spec.n_layers))
+    if dense and moe.dense_intermediate % world:
+        raise ConfigError(f"{where} does not divide the dense layers' intermediate size {moe.dense_intermediate}")
 
 
 def role(param: str) -> str | None:
@@ -69,43 +91,50 @@ def role(param: str) -> str | None:
     if len(parts) != 3 or parts[0] != "layers":
         return None
     name = parts[2].removesuffix("_bias")
-    return name if name in COLUMN + ROW else None
+    return name if name in COLUMN + ROW + EXPERT else None
 
 
 def local_shape(param: str, shape: tuple, spec: ModelSpec, tp: TensorParallel) -> tuple:
-    """The shape rank ``tp.rank`` holds of parameter ``param``."""
+    """The shape rank ``tp.rank`` holds of parameter ``param`` (whole shape ``shape``)."""
     r, d = role(param), spec.head_dim
     if r is None:
         return shape
-    rows = {
-        "q": spec.n_heads // tp.world * d,
-        "k": tp.kv_heads(spec) * d,
-        "v": tp.kv_heads(spec) * d,
-        "gate": spec.intermediate // tp.world,
-        "up": spec.intermediate // tp.world,
-    }
-    if r in rows:
-        return (rows[r], *shape[1:])
-    cols = spec.n_heads // tp.world * d if r == "o" else spec.intermediate // tp.world
-    return (shape[0], cols)
+    if r in EXPERT:
+        return (spec.moe.n_experts // tp.world, *shape[1:])
+    heads = {"q": spec.n_heads // tp.world, "k": tp.kv_heads(spec), "v": tp.kv_heads(spec)}
+    heads["qkv"] = heads["q"] + 2 * heads["k"]
+    if r in heads:
+        return (heads[r] * d, *shape[1:])
+    if r in COLUMN:
+        return (shape[0] // tp.world, *shape[1:])
+    if r == "o":
+        return (shape[0], spec.n_heads // tp.world * d)
+    return (shape[0], shape[1] // tp.world)
 
 
-def shard_range(param: str, spec: ModelSpec, tp: TensorParallel) -> tuple[int, int, int] | None:
-    """``(dim, lo, hi)``: the slice of parameter ``param`` rank ``tp.rank`` holds (rows of a
-    column-parallel weight and its bias, columns of a row-parallel one); None if replicated."""
+def shard_ranges(param: str, shape: tuple, spec: ModelSpec, tp: TensorParallel) -> tuple[int, list] | None:
+    """``(dim, [(lo, hi), ...])``: the ranges of ``param`` rank ``tp.rank`` holds, concatenated in
+    order (rows of a column-parallel weight and its bias, columns of a row-parallel one; Q, K and
+    V rows of a fused QKV weight); None if replicated (stacked experts: ``expert_range``)."""
     r, d = role(param), spec.head_dim
-    if r is None or tp.world == 1:
+    if r is None or r in EXPERT or tp.world == 1:
         return None
+    q = spec.n_heads // tp.world * d
+    q_rng = (tp.rank * q, (tp.rank + 1) * q)
+    h0, h1 = tp.kv_head_range(spec)
+    kv_rng = (h0 * d, h1 * d)
     if r in ("q", "o"):
-        n = spec.n_heads // tp.world * d
-        lo, hi = tp.rank * n, (tp.rank + 1) * n
+        ranges = [q_rng]
     elif r in ("k", "v"):
-        h0, h1 = tp.kv_head_range(spec)
-        lo, hi = h0 * d, h1 * d
+        ranges = [kv_rng]
+    elif r == "qkv":  # rows [q | k | v] of the fused weight
+        dq, dkv = spec.n_heads * d, spec.n_kv_heads * d
+        ranges = [q_rng, (dq + kv_rng[0], dq + kv_rng[1]), (dq + dkv + kv_rng[0], dq + dkv + kv_rng[1])]
     else:
-        n = spec.intermediate // tp.world
-        lo, hi = tp.rank * n, (tp.rank + 1) * n
-    return (1 if r in ROW and not param.endswith("_bias") else 0), lo, hi
+        row = r in ROW and not param.endswith("_bias")
+        n = (shape[1] if row else shape[0]) // tp.world
+        ranges = [(tp.rank * n, (tp.rank + 1) * n)]
+    return (1 if r in ROW and not param.endswith("_bias") else 0), ranges
 
 
 def shard_graph(graph: Graph, spec: ModelSpec, tp: TensorParallel) -> Graph:
@@ -130,15 +159,22 @@ def shard_graph(graph: Graph, spec: ModelSpec, tp: TensorParallel) -> Graph:
             if r in ROW and len(node.inputs) > 2 and node.inputs[2] is not None:
                 raise ConfigError(f"tensor parallel: row-parallel {node.inputs[1].name} has a bias (not supported)")
             made_by[id(node.outputs[0])] = r
+        if node.op == "split" and made_by.get(id(node.inputs[0])) == "qkv":
+            d = spec.head_dim
+            node.attrs["sizes"] = (spec.n_heads // tp.world * d, kv_local * d, kv_local * d)
+            for out, r in zip(node.outputs, ("q", "k", "v")):
+                made_by[id(out)] = r
         if node.op == "view_heads":
             r = made_by.get(id(node.inputs[0]))
             if r == "q":
                 node.attrs["heads"] = spec.n_heads // tp.world
             elif r in ("k", "v"):
                 node.attrs["heads"] = kv_local
+        if node.op in MOE_OPS:
+            node.attrs["first_expert"] = tp.expert_range(spec)[0]
         _reinfer(node)
         nodes.append(node)
-        if node.op == "linear" and made_by.get(id(node.outputs[0])) in ROW:
+        if (node.op == "linear" and made_by.get(id(node.outputs[0])) in ROW) or node.op in MOE_OPS:
             partial = node.outputs[0]
             summed = Value(f"{partial.name}.allreduce", partial.type)
             nodes.append(Node("all_reduce", [partial], {"op": "sum", "group": "tp"}, [summed]))
