@@ -159,6 +159,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def _generate_tensor_parallel(a: argparse.Namespace) -> int:
     """N worker processes, one shard each (gloo on the CPU, the backend's library on devices)."""
     from dinfer_rt import parallel
+    from dinfer_rt.llm import generate_on_rank, generate_parallel
     from dinfer_rt.loader import default_model_path
     from dinfer_rt.spec import parse_spec
 
@@ -173,11 +174,11 @@ def _generate_tensor_parallel(a: argparse.Namespace) -> int:
         if int(os.environ["WORLD_SIZE"]) != world:
             raise DinferError(f"--tensor-parallel-size {world} but torchrun started {os.environ['WORLD_SIZE']} ranks")
         parallel.init_group(a.backend, rank, world)
-        outs = parallel.generate_worker(rank, world, a.model, a.prompts, _params(a), a.backend, a.dtype)
+        outs = generate_on_rank(rank, world, a.model, a.prompts, _params(a), a.backend, a.dtype)
         if rank != 0:
             return 0
     else:
-        outs = parallel.generate_outputs(
+        outs = generate_parallel(
             a.model, a.prompts, _params(a), tensor_parallel_size=world, data_parallel_size=a.data_parallel_size,
             backend=a.backend, dtype=a.dtype,
         )  # fmt: skip
@@ -283,7 +284,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         if a.data_parallel_size > 1 or a.quantization is not None:
             raise DinferError("bench --tensor-parallel-size: one TP group, unquantised (no --data-parallel-size)")
         args = (a.model, a.batch_size, params, a.warmup, a.iters, a.backend, a.dtype)
-        result = parallel.launch(a.tensor_parallel_size, parallel.bench_worker, *args, backend=a.backend)
+        result = parallel.launch(a.tensor_parallel_size, bench_on_rank, *args, backend=a.backend)
     else:
         llm = _llm(a)
         prompts = [llm.encode(it.letters, params.chat) for it in task.heldout(a.batch_size)]
@@ -293,6 +294,18 @@ def cmd_bench(a: argparse.Namespace) -> int:
     else:
         print(" | ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
     return 0
+
+
+def bench_on_rank(rank: int, world: int, path, n_prompts: int, params, warmup: int, iters: int, backend, dtype):
+    """``dinfer-rt bench`` on rank ``rank``'s shard: every rank runs the measured forwards."""
+    from dinfer_rt.demo import task
+    from dinfer_rt.llm import LLM
+    from dinfer_rt.parallel import load_sharded
+    from dinfer_rt.validation.perf import measure
+
+    llm = LLM(load_sharded(path, rank, world, backend, dtype))
+    prompts = [llm.encode(it.letters, params.chat) for it in task.heldout(n_prompts)]
+    return measure(llm.model, prompts, params, warmup, iters)
 
 
 def cmd_validate(a: argparse.Namespace) -> int:

@@ -95,10 +95,8 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if self.parallel is not None:
-            from dinfer_rt import parallel
-
             p = dict(self.parallel)
-            return parallel.generate_outputs(p.pop("path"), prompts, params, **p)
+            return generate_parallel(p.pop("path"), prompts, params, **p)
         encoded = [self.encode(p, params.chat) for p in prompts]
         eos = set(self.model.eos_ids)
         tok = self.model.tokenizer
@@ -134,3 +132,50 @@ class LLM:
             return any(s in text for s in stop)
 
         return check
+
+
+# ---------------------------------------------------------------- on worker ranks (module level: spawnable)
+
+
+def generate_on_rank(rank: int, world: int, path, prompts: list, params, backend=None, dtype=None):
+    """``LLM.generate`` on rank ``rank``'s shard: its ``GenerationOutput`` per prompt (every rank
+    runs the same steps; rank 0's are returned by ``parallel.launch``)."""
+    from dinfer_rt.parallel import load_sharded
+
+    return LLM(load_sharded(path, rank, world, backend, dtype)).generate(prompts, params)
+
+
+def replica_on_rank(rank: int, world: int, tp_size: int, path, prompts: list, params, backend=None, dtype=None):
+    """Data parallelism: replica ``rank // tp_size`` generates every ``replicas``-th prompt on its
+    own tensor-parallel group; its first rank returns ``(prompt index, output)`` rows."""
+    replicas, replica, tp_rank = world // tp_size, rank // tp_size, rank % tp_size
+    mine = list(range(replica, len(prompts), replicas))
+    if not mine:
+        return []
+    outs = generate_on_rank(tp_rank, tp_size, path, [prompts[i] for i in mine], params, backend, dtype)
+    return list(zip(mine, outs)) if tp_rank == 0 else []
+
+
+def generate_parallel(
+    path, prompts: list, params, *, tensor_parallel_size: int = 1, data_parallel_size: int = 1, backend=None, dtype=None
+) -> list[GenerationOutput]:
+    """``LLM.generate`` over ``data_parallel_size`` replicas of ``tensor_parallel_size`` ranks
+    each (spawned on this machine for this call): one ``GenerationOutput`` per prompt, in order."""
+    from dinfer_rt import parallel
+    from dinfer_rt.loader import default_model_path
+    from dinfer_rt.spec import parse_spec
+
+    parallel.check_split(parse_spec(Path(path) if path else default_model_path()), tensor_parallel_size)
+    if data_parallel_size < 1:
+        raise parallel.ParallelError(f"data parallel size must be >= 1, got {data_parallel_size}")
+    world = tensor_parallel_size * data_parallel_size
+    if world == 1:
+        return generate_on_rank(0, 1, path, prompts, params, backend, dtype)
+    if data_parallel_size == 1:
+        return parallel.launch(world, generate_on_rank, path, prompts, params, backend, dtype, backend=backend)
+    rows = parallel.launch(
+        world, replica_on_rank, tensor_parallel_size, path, prompts, params, backend, dtype,
+        backend=backend, tp_size=tensor_parallel_size, all_ranks=True,
+    )  # fmt: skip
+    by_prompt = dict(row for rank_rows in rows for row in rank_rows)
+    return [by_prompt[i] for i in range(len(prompts))]

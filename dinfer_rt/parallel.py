@@ -165,73 +165,10 @@ def forward_worker(rank: int, world: int, path, input_ids: torch.Tensor, block_s
     return load_sharded(path, rank, world).forward(input_ids, block_size=block_size)
 
 
-def generate_worker(rank: int, world: int, path, prompts: list, params, backend=None, dtype=None):
-    """``LLM.generate`` on the sharded model: its ``GenerationOutput`` per prompt (every rank
-    runs the same steps; rank 0's are returned)."""
-    from dinfer_rt.llm import LLM
-
-    return LLM(load_sharded(path, rank, world, backend, dtype)).generate(prompts, params)
-
-
-def bench_worker(
-    rank: int, world: int, path, n_prompts: int, params, warmup: int, iters: int, backend=None, dtype=None
-):
-    """``dinfer-rt bench`` on the sharded model: every rank runs the measured forwards."""
-    from dinfer_rt.demo import task
-    from dinfer_rt.llm import LLM
-    from dinfer_rt.validation.perf import measure
-
-    llm = LLM(load_sharded(path, rank, world, backend, dtype))
-    prompts = [llm.encode(it.letters, params.chat) for it in task.heldout(n_prompts)]
-    return measure(llm.model, prompts, params, warmup, iters)
-
-
-def replica_worker(rank: int, world: int, tp_size: int, path, prompts: list, params, backend=None, dtype=None):
-    """Data parallelism: replica ``rank // tp_size`` generates every ``replicas``-th prompt on its
-    own tensor-parallel group; its first rank returns ``(prompt index, output)`` rows."""
-    replicas, replica, tp_rank = world // tp_size, rank // tp_size, rank % tp_size
-    mine = list(range(replica, len(prompts), replicas))
-    if not mine:
-        return []
-    outs = generate_worker(tp_rank, tp_size, path, [prompts[i] for i in mine], params, backend, dtype)
-    return list(zip(mine, outs)) if tp_rank == 0 else []
-
-
-def generate_outputs(
-    path, prompts: list, params, *, tensor_parallel_size: int = 1, data_parallel_size: int = 1, backend=None, dtype=None
-) -> list:
-    """``LLM.generate`` over ``data_parallel_size`` replicas of ``tensor_parallel_size`` ranks
-    each (spawned on this machine for this call): one ``GenerationOutput`` per prompt, in order."""
-    from dinfer_rt.loader import default_model_path
-    from dinfer_rt.spec import parse_spec
-
-    check_split(parse_spec(Path(path) if path else default_model_path()), tensor_parallel_size)
-    if data_parallel_size < 1:
-        raise ParallelError(f"data parallel size must be >= 1, got {data_parallel_size}")
-    world = tensor_parallel_size * data_parallel_size
-    if world == 1:
-        return generate_worker(0, 1, path, prompts, params, backend, dtype)
-    if data_parallel_size == 1:
-        return launch(world, generate_worker, path, prompts, params, backend, dtype, backend=backend)
-    rows = launch(
-        world, replica_worker, tensor_parallel_size, path, prompts, params, backend, dtype,
-        backend=backend, tp_size=tensor_parallel_size, all_ranks=True,
-    )  # fmt: skip
-    by_prompt = dict(row for rank_rows in rows for row in rank_rows)
-    return [by_prompt[i] for i in range(len(prompts))]
-
-
-def generate(path, prompts: list, params, **kw) -> list[tuple[str, list[int]]]:
-    """:func:`generate_outputs` as (text, token_ids) per prompt."""
-    return [(o.text, o.token_ids) for o in generate_outputs(path, prompts, params, **kw)]
-
-
 __all__ = [
     "ParallelError",
     "TensorParallel",
     "check_split",
-    "generate",
-    "generate_outputs",
     "group_size",
     "init_group",
     "launch",

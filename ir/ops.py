@@ -477,6 +477,95 @@ def all_reduce(x: torch.Tensor, *, op: str = "sum", group: str = "tp") -> torch.
     return out
 
 
+def _infer_all_gather(ts, attrs):
+    sizes = attrs.get("sizes")
+    _need(isinstance(sizes, tuple) and sizes and all(n > 0 for n in sizes), "all_gather", f"bad sizes {sizes!r}")
+    x = ts[0]
+    _need(x.is_float, "all_gather", f"needs a float tensor, got {x}")
+    return [x.with_shape(*x.shape[:-1], sum(sizes))]
+
+
+@_register("all_gather", 1)(_infer_all_gather)
+def all_gather(x: torch.Tensor, *, sizes: tuple[int, ...], group: str = "tp") -> torch.Tensor:
+    """The ranks' ``x`` concatenated along the last dim in rank order; rank r contributes
+    ``sizes[r]`` columns (uneven splits: a vocabulary of 33 over 2 ranks is 17 + 16). Over a
+    group of one it is the identity."""
+    pg = COLLECTIVE_GROUPS.get(group)
+    if pg is None:
+        return x
+    import torch.distributed as dist
+
+    width = max(sizes)
+    pad = torch.zeros((*x.shape[:-1], width), dtype=x.dtype, device=x.device)
+    pad[..., : x.shape[-1]] = x
+    parts = [torch.empty_like(pad) for _ in sizes]
+    dist.all_gather(parts, pad, group=pg)
+    COLLECTIVE_BYTES[group] = COLLECTIVE_BYTES.get(group, 0) + pad.numel() * pad.element_size() * len(sizes)
+    return torch.cat([part[..., :n] for part, n in zip(parts, sizes)], dim=-1)
+
+
+def vocab_shard(vocab: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows [lo, hi) of a vocabulary-parallel LM head rank ``rank`` holds: ceil(V / N) each, the
+    last rank the rest."""
+    n = -(-vocab // world)
+    return min(vocab, rank * n), min(vocab, (rank + 1) * n)
+
+
+def _infer_vocab_parallel_confidence(ts, attrs):
+    return _infer_lm_head_confidence(ts, attrs)
+
+
+def _reduce(t: torch.Tensor, op: str, pg) -> torch.Tensor:
+    import torch.distributed as dist
+
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    t = t.contiguous()
+    dist.all_reduce(t, op=ops[op], group=pg)
+    return t
+
+
+@_register("vocab_parallel_confidence", 2)(_infer_vocab_parallel_confidence)
+def vocab_parallel_confidence(
+    h: torch.Tensor, weight: torch.Tensor, *, banned: int, kind: str = "max", vocab_offset: int = 0, group: str = "tp"
+):
+    """``lm_head_confidence`` over a vocabulary split across the ranks of ``group``: ``weight``
+    holds rows ``vocab_offset`` .. of the LM head. Each rank reduces its logits to a few
+    statistics (max, first argmax, sum exp(z - M), for entropy sum exp(z - M)(z - M), for margin
+    its best candidate for second place) and all-reduces those: the full [positions x vocab]
+    logits are never gathered. Semantics = ``confidence(linear(h, full LM head))``; over a group
+    of one (``vocab_offset`` 0) exactly ``lm_head_confidence``."""
+    pg = COLLECTIVE_GROUPS.get(group)
+    if pg is None:
+        return lm_head_confidence(h, weight, banned=banned, kind=kind)
+    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    z = linear(h, weight).to(acc)
+    if vocab_offset <= banned < vocab_offset + z.shape[-1]:
+        z[..., banned - vocab_offset] = float("-inf")
+    top = z.topk(min(2, z.shape[-1]), dim=-1)
+    m_loc, a_loc = top.values[..., 0], top.indices[..., 0] + vocab_offset
+    big = torch.iinfo(torch.int64).max
+    m = _reduce(m_loc.clone(), "max", pg)
+    token = _reduce(torch.where(m_loc == m, a_loc, torch.full_like(a_loc, big)), "min", pg)
+    e = (z - m[..., None]).exp()
+    sums = [e.sum(-1)] + ([(e * (z - m[..., None])).nan_to_num(0.0).sum(-1)] if kind == "entropy" else [])
+    sums = _reduce(torch.stack(sums), "sum", pg)
+    z_sum = sums[0]
+    moved = (3 + len(sums)) * m.numel() * m.element_size()  # max, argmin, the sums, (margin: runner-up)
+    for key in (group, f"{group}/lm_head"):  # the head's own share, apart from the layers' all-reduces
+        COLLECTIVE_BYTES[key] = COLLECTIVE_BYTES.get(key, 0) + moved
+    if kind == "max":
+        return 1.0 / z_sum, token
+    if kind == "margin":
+        # this rank's candidate for the global runner-up: its best unless that is the winner
+        second = top.values[..., 1] if z.shape[-1] > 1 else torch.full_like(m_loc, float("-inf"))
+        cand = torch.where(a_loc == token, second, m_loc)
+        second = _reduce(cand, "max", pg)
+        return (1.0 - (second - m).exp()) / z_sum, token
+    if kind == "entropy":
+        return sums[1] / z_sum - z_sum.log(), token
+    raise OpTypeError(f"vocab_parallel_confidence: unknown kind {kind!r} (max, margin, entropy)")
+
+
 # ---------------------------------------------------------------- mixture of experts
 
 

@@ -13,6 +13,7 @@ import dinfer_rt
 from dinfer_rt import parallel
 from dinfer_rt.errors import ConfigError
 from dinfer_rt.ir import Graph, TensorType, ops
+from dinfer_rt.llm import generate_on_rank, generate_parallel
 from dinfer_rt.lowering import lower
 from dinfer_rt.passes.shard import TensorParallel, shard_graph
 from dinfer_rt.sampling import SamplingParams
@@ -54,8 +55,11 @@ def test_each_rank_reads_and_holds_about_one_nth_of_the_weights(ckpt_dir):
         w.numel() * 4 for k, w in whole.weights.items() if "|" not in k and k.startswith("layers.") and
         k.split(".")[2] in ("q", "k", "v", "o", "gate", "up", "down")
     )  # fmt: skip
+    head = whole.weights["lm_head"]
+    lo, hi = ops.vocab_shard(spec.vocab, 0, 2)  # rank 0's rows of the vocabulary-parallel LM head
+    head_saved = head.numel() * 4 - (hi - lo) * head.shape[1] * 4
     read, held = parallel.launch(2, _bytes_worker, path, timeout=240)
-    assert read == total - split // 2 and held == read  # replicated tensors whole, split ones halved
+    assert read == total - split // 2 - head_saved and held == read  # replicated tensors whole, split ones halved
     assert spec.n_layers and read < 0.75 * total
 
 
@@ -89,7 +93,7 @@ def test_greedy_generation_with_two_ranks_equals_one(monkeypatch):
         SamplingParams(strategy="low_confidence", block_length=8, cache="dual"),
     ):
         want = [(o.text, o.token_ids) for o in llm.generate(prompts, params)]
-        got = parallel.launch(2, parallel.generate_worker, None, prompts, params, timeout=240)
+        got = parallel.launch(2, generate_on_rank, None, prompts, params, timeout=240)
         assert [(o.text, o.token_ids) for o in got] == want
 
 
@@ -122,8 +126,8 @@ def test_data_parallel_replicas_split_the_prompts_and_keep_their_order(tp):
     prompts = ["qwertyuiop", "asdfghjklz", "zxcvbnmlkj", "plmoknijbu", "mnbvcxzlkj"]  # 5: uneven split
     params = SamplingParams(strategy="threshold", block_length=8)
     want = [(o.text, o.token_ids) for o in dinfer_rt.LLM().generate(prompts, params)]
-    got = parallel.generate(None, prompts, params, tensor_parallel_size=tp, data_parallel_size=2)
-    assert got == want
+    outs = generate_parallel(None, prompts, params, tensor_parallel_size=tp, data_parallel_size=2)
+    assert [(o.text, o.token_ids) for o in outs] == want
 
 
 def _raises_on_rank_1(rank, world):
@@ -218,3 +222,63 @@ def test_expert_parallel_graph_and_bytes(moe_checkpoints):
 def test_loading_a_shard_without_a_process_group_is_refused(ckpt_dir):
     with pytest.raises(ConfigError, match="the process group has 1 rank\\(s\\), not 2"):
         dinfer_rt.load_model(ckpt_dir("llada"), backend="cpu", tensor_parallel=(0, 2))
+
+
+def test_llm_eval_and_bench_take_the_tensor_parallel_size(tmp_path):
+    """The Python API and the eval / bench commands run on worker ranks and give the one-process
+    answers (eval's accuracy; bench reports its measurements)."""
+    import json
+    import subprocess
+    import sys
+
+    params = SamplingParams(strategy="threshold", block_length=8)
+    prompts = ["qwertyuiop", "abc"]
+    want = [(o.text, o.token_ids) for o in dinfer_rt.LLM().generate(prompts, params)]
+    llm = dinfer_rt.LLM(tensor_parallel_size=2)
+    assert llm.model is None
+    assert [(o.text, o.token_ids) for o in llm.generate(prompts, params)] == want
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = [sys.executable, "-m", "dinfer_rt"]
+    common = ["--strategy", "threshold", "--block-length", "8", "--json"]
+    one = subprocess.run([*run, "eval", "--limit", "6", *common], capture_output=True, text=True, timeout=240, env=env)
+    two = subprocess.run(
+        [*run, "eval", "--limit", "6", "--tensor-parallel-size", "2", *common],
+        capture_output=True, text=True, timeout=240, env=env,
+    )  # fmt: skip
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    assert json.loads(two.stdout)["accuracy"] == json.loads(one.stdout)["accuracy"]
+    bench = subprocess.run(
+        [*run, "bench", "--tensor-parallel-size", "2", "--iters", "1", "--warmup", "0", "--batch-size", "2", *common],
+        capture_output=True, text=True, timeout=240, env=env,
+    )  # fmt: skip
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    assert json.loads(bench.stdout)["tokens_per_s"] > 0
+
+
+def _confidence_worker(rank, world, path, ids, select, kind):
+    from dinfer_rt.ir import ops as ir_ops
+
+    model = parallel.load_sharded(path, rank, world)
+    ir_ops.COLLECTIVE_BYTES.clear()
+    score, token = model.confidence(ids, select=select, score=kind)
+    graph = model.executable(False, head="confidence", score=kind).graph
+    moved = ir_ops.COLLECTIVE_BYTES.get("tp/lm_head", 0)
+    return score, token, graph.op_counts().get("vocab_parallel_confidence", 0), moved
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind", ["max", "margin", "entropy"])
+def test_vocabulary_parallel_confidence_head_equals_one_process(ckpt_dir, world, kind):
+    """An untied LM head split over the vocabulary (61 rows: uneven shards): the distributed
+    confidence head gives the one-process scores (fp32 1e-5) and argmax, and moves a few numbers
+    per position instead of the logits."""
+    path = ckpt_dir("llada")
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(5))
+    ids[:, 6:] = 5  # masked slots, as the scheduler asks
+    select = torch.arange(4, 12)
+    want_s, want_t = dinfer_rt.load_model(path, backend="cpu").confidence(ids, select=select, score=kind)
+    got_s, got_t, fused, moved = parallel.launch(world, _confidence_worker, path, ids, select, kind, timeout=240)
+    assert fused == 1 and torch.equal(got_t, want_t)
+    assert ((got_s - want_s).abs().max() / want_s.abs().max()).item() <= 1e-5
+    logits_bytes = 2 * 8 * 61 * 4
+    assert 0 < moved < logits_bytes  # statistics, not the [positions x vocab] logits

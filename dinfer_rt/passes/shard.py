@@ -10,8 +10,11 @@ stacked experts, the router runs on every rank (replicated, so every rank routes
 the MoE op computes only its own experts' contributions and an ``all_reduce`` sums them; shared
 experts and dense layers are tensor-parallel. (All-reduce rather than all-to-all: every rank
 already holds every token, so combining partial sums needs no dispatch; an all-to-all would move
-fewer bytes only once tokens are split across ranks too, which is not built.) Embedding, norms
-and the LM head stay replicated. The pass runs before the backend's fusion passes, so fused
+fewer bytes only once tokens are split across ranks too, which is not built.) An untied LM head
+is **vocabulary-parallel**: each rank holds ceil(V/N) rows; the confidence head reduces each
+rank's logits to a few statistics and all-reduces them (``vocab_parallel_confidence``: the full
+logits are never gathered), and the logits head all-gathers the shards. Embedding and norms
+(and a tied LM head, which is the embedding) stay replicated. The pass runs before the backend's fusion passes, so fused
 kernels see the local shapes; the loader reads each rank's weight slices (``shard_ranges``,
 ``TensorParallel.expert_range``) straight from the safetensors files.
 """
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 
 from dinfer_rt.errors import ConfigError
 from dinfer_rt.ir import Graph, Node, TensorType, Value
-from dinfer_rt.ir.ops import op_def
+from dinfer_rt.ir.ops import op_def, vocab_shard
 from dinfer_rt.spec import ModelSpec
 
 COLUMN = ("q", "k", "v", "qkv", "gate", "up", "shared_gate", "shared_up")  # weight rows split; their biases too
@@ -94,9 +97,17 @@ def role(param: str) -> str | None:
     return name if name in COLUMN + ROW + EXPERT else None
 
 
+def vocab_parallel(spec: ModelSpec) -> bool:
+    """Whether the LM head is split over the vocabulary (untied: a tied head is the embedding)."""
+    return not spec.tie_embeddings
+
+
 def local_shape(param: str, shape: tuple, spec: ModelSpec, tp: TensorParallel) -> tuple:
     """The shape rank ``tp.rank`` holds of parameter ``param`` (whole shape ``shape``)."""
     r, d = role(param), spec.head_dim
+    if param == "lm_head" and vocab_parallel(spec) and tp.world > 1:
+        lo, hi = vocab_shard(shape[0], tp.rank, tp.world)
+        return (hi - lo, *shape[1:])
     if r is None:
         return shape
     if r in EXPERT:
@@ -117,6 +128,8 @@ def shard_ranges(param: str, shape: tuple, spec: ModelSpec, tp: TensorParallel) 
     order (rows of a column-parallel weight and its bias, columns of a row-parallel one; Q, K and
     V rows of a fused QKV weight); None if replicated (stacked experts: ``expert_range``)."""
     r, d = role(param), spec.head_dim
+    if param == "lm_head" and vocab_parallel(spec) and tp.world > 1:
+        return 0, [vocab_shard(shape[0], tp.rank, tp.world)]
     if r is None or r in EXPERT or tp.world == 1:
         return None
     q = spec.n_heads // tp.world * d
@@ -152,8 +165,19 @@ def shard_graph(graph: Graph, spec: ModelSpec, tp: TensorParallel) -> Graph:
     made_by: dict[int, str] = {}  # id(value) -> role of the linear that produced it
     replace: dict[int, Value] = {}
     nodes: list[Node] = []
+    head_linear: dict[int, Node] = {}  # id(logits) -> the vocabulary-parallel LM head linear
+    lo, _ = vocab_shard(spec.vocab, tp.rank, tp.world)
+    sizes = tuple(b - a for a, b in (vocab_shard(spec.vocab, r, tp.world) for r in range(tp.world)))
     for node in graph.nodes:
         node.inputs = [None if v is None else replace.get(id(v), v) for v in node.inputs]
+        if vocab_parallel(spec) and node.op == "confidence" and id(node.inputs[0]) in head_linear:
+            lin = head_linear.pop(id(node.inputs[0]))
+            nodes.remove(lin)  # the per-rank statistics replace the [positions x vocab] logits
+            node.op, node.inputs = "vocab_parallel_confidence", lin.inputs[:2]
+            node.attrs = {**node.attrs, "vocab_offset": lo, "group": "tp"}
+            _reinfer(node)
+            nodes.append(node)
+            continue
         if node.op == "linear" and node.inputs[1].kind == "param":
             r = role(node.inputs[1].name)
             if r in ROW and len(node.inputs) > 2 and node.inputs[2] is not None:
@@ -174,11 +198,18 @@ def shard_graph(graph: Graph, spec: ModelSpec, tp: TensorParallel) -> Graph:
             node.attrs["first_expert"] = tp.expert_range(spec)[0]
         _reinfer(node)
         nodes.append(node)
+        if vocab_parallel(spec) and node.op == "linear" and node.inputs[1].name == "lm_head":
+            head_linear[id(node.outputs[0])] = node
         if (node.op == "linear" and made_by.get(id(node.outputs[0])) in ROW) or node.op in MOE_OPS:
             partial = node.outputs[0]
             summed = Value(f"{partial.name}.allreduce", partial.type)
             nodes.append(Node("all_reduce", [partial], {"op": "sum", "group": "tp"}, [summed]))
             replace[id(partial)] = summed
+    for lin in head_linear.values():  # the logits head: gather the vocabulary shards (once, at the output)
+        local = lin.outputs[0]
+        full = Value(f"{local.name}.allgather", local.type.with_shape(*local.type.shape[:-1], spec.vocab))
+        nodes.insert(nodes.index(lin) + 1, Node("all_gather", [local], {"sizes": sizes, "group": "tp"}, [full]))
+        replace[id(local)] = full
     graph.nodes = nodes
     graph.outputs = {k: replace.get(id(v), v) for k, v in graph.outputs.items()}
     graph.name = f"{graph.name}_tp{tp.rank}of{tp.world}"

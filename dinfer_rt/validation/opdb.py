@@ -79,6 +79,14 @@ def cases(quick: bool = False) -> list[OpCase]:
         OpCase("cast", "to-f32", lambda g: [_r(g, 4, 6)], {"dtype": torch.float32}, float_inputs=(0,)),
         # one process: a group of one, whose all-reduce is the identity (multi-rank: tests/test_parallel.py)
         OpCase("all_reduce", "one-rank", lambda g: [_r(g, 2, 5, 8)], {"op": "sum"}, float_inputs=(0,)),
+        OpCase("all_gather", "one-rank", lambda g: [_r(g, 2, 5, 8)], {"sizes": (8,)}, float_inputs=(0,)),
+        OpCase(
+            "vocab_parallel_confidence",
+            "one-rank",
+            lambda g: [_r(g, 2, 3, 16), _r(g, 37, 16, scale=0.5)],
+            {"banned": 5, "kind": "margin"},
+            float_inputs=(0, 1),
+        ),
         OpCase(
             "embedding",
             "vocab-odd",
