@@ -3,8 +3,11 @@ volume of TP 1 and 2 on a mid-size random LLaDA-layout checkpoint (134M paramete
 
     python benchmarks/tp_bench.py [--tokens 96] [--iters 5] [--out benchmarks/results]
 
-The all-reduce volume is measured (bytes each rank all-reduced per forward) and compared with the
-analytic minimum of dense tensor parallelism: 2 all-reduces of [tokens x hidden] per layer. On a
+The forward is the scheduler's step: the fused confidence head over every computed position. The
+collective volume is measured (bytes each rank all-reduced per forward) and compared with the
+analytic minimum: 2 all-reduces of [tokens x hidden] per layer, plus the vocabulary-parallel
+confidence head's 4 numbers per position (max, argmax, sum exp; the logits would be
+[tokens x vocab], all-gathered: shown for comparison). On a
 2-core machine TP 2 gives each rank one core, and gloo moves the partial sums through loopback
 TCP: it is not expected to be faster here; the numbers show the cost structure.
 """
@@ -28,12 +31,17 @@ from dinfer_rt.testing import checkpoints
 def bench_worker(rank: int, world: int, path: str, tokens: int, iters: int) -> dict:
     model = parallel.load_sharded(path, rank, world) if world > 1 else _load(path)
     ids = torch.randint(0, model.spec.vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
-    model.forward(ids)  # warm-up
+    select = torch.arange(tokens)
+
+    def step():
+        return model.confidence(ids, select=select)
+
+    step()  # warm-up
     ops.COLLECTIVE_BYTES.clear()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        model.forward(ids)
+        step()
         times.append(time.perf_counter() - t0)
     held = sum(w.numel() * w.element_size() for k, w in model.weights.items() if "|" not in k)
     return {
@@ -41,6 +49,7 @@ def bench_worker(rank: int, world: int, path: str, tokens: int, iters: int) -> d
         "bytes_read": model.bytes_read,
         "bytes_held": held,
         "allreduce_bytes_per_forward": ops.COLLECTIVE_BYTES.get("tp", 0) / iters,
+        "lm_head_bytes_per_forward": ops.COLLECTIVE_BYTES.get("tp/lm_head", 0) / iters,
         "threads": torch.get_num_threads(),
     }
 
@@ -63,21 +72,24 @@ def main() -> None:
         )
         rows = {1: bench_worker(0, 1, path, a.tokens, a.iters)}
         rows[2] = parallel.launch(2, bench_worker, path, a.tokens, a.iters, timeout=900)
-    minimum = 2 * 12 * a.tokens * 768 * 4  # 2 all-reduces of [tokens x hidden] fp32 per layer
+    # 2 all-reduces of [tokens x hidden] fp32 per layer + the confidence head's 4 numbers per position
+    minimum = 2 * 12 * a.tokens * 768 * 4 + 4 * a.tokens * 4
+    logits_gather = a.tokens * 32000 * 4  # what gathering the logits instead would move
     lines = [
         f"Mid-size random LLaDA (134M, d 768, 12 layers, vocab 32000, fp32), one forward of {a.tokens} tokens, "
         f"median of {a.iters}; rank 0's numbers. One run on this 2-core machine.",
         "",
-        "| TP | ms per forward | threads per rank | weight bytes read | weight bytes held | all-reduce bytes / forward "
-        "| analytic minimum |",
-        "|---|---|---|---|---|---|---|",
+        "| TP | ms per step | threads per rank | weight bytes read | weight bytes held | collective bytes / step "
+        "| of which the LM head | analytic minimum |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for tp, r in rows.items():
         lines.append(
             f"| {tp} | {r['ms']:.1f} | {r['threads']} | {r['bytes_read'] / 1e6:.1f} MB "
-            f"| {r['bytes_held'] / 1e6:.1f} MB | {r['allreduce_bytes_per_forward'] / 1e6:.2f} MB "
-            f"| {(minimum if tp > 1 else 0) / 1e6:.2f} MB |"
+            f"| {r['bytes_held'] / 1e6:.1f} MB | {r['allreduce_bytes_per_forward'] / 1e6:.3f} MB "
+            f"| {r['lm_head_bytes_per_forward'] / 1e3:.1f} kB | {(minimum if tp > 1 else 0) / 1e6:.3f} MB |"
         )
+    lines += ["", f"Gathering the logits instead of the head's statistics would move {logits_gather / 1e6:.1f} MB."]
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "tp.md").write_text("\n".join(lines) + "\n")
     (a.out / "tp.json").write_text(json.dumps({"rows": rows, "analytic_allreduce_bytes": minimum}, indent=1))

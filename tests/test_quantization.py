@@ -371,3 +371,25 @@ def test_schedule_model_mismatches_are_one_line_errors(embedded, ckpt_dir):
         generate_batch(q, [[7, 8]], SamplingParams(gen_length=8, block_length=8, precision_schedule="fp8@0.5,full"))
     with pytest.raises(ConfigError, match="unknown weight format 'int4'"):
         load_model(ckpt_dir("llada"), quantization="int4")
+
+
+def test_each_tensor_goes_to_the_device_as_it_is_read(ckpt_dir, monkeypatch):
+    """The loader hands every tensor to the device right after reading it (the host holds one
+    tensor in flight, never the whole model): on the "meta" device nothing stays on the host."""
+    from dinfer_rt.checkpoint import Checkpoint
+    from dinfer_rt.spec import parse_spec
+    from dinfer_rt.weights import load_weights
+
+    path = ckpt_dir("llada_moe")
+    seen = []
+    real = Checkpoint.read
+
+    def read(self, names, slices=None):
+        for name, t in real(self, names, slices):
+            seen.append(t.device.type)
+            yield name, t
+
+    monkeypatch.setattr(Checkpoint, "read", read)
+    weights = load_weights(Checkpoint(path), parse_spec(path), torch.float32, check_weights=False, device="meta")
+    assert seen and set(seen) == {"cpu"}  # read on the host ...
+    assert {t.device.type for t in weights.values()} == {"meta"}  # ... and none of it kept there
