@@ -54,7 +54,10 @@ def run(llm: LLM, label: str, params: SamplingParams, limit: int, repeats: int) 
     r = sorted(runs, key=lambda x: x.wall_s)[len(runs) // 2]
     per = r.forwards_by_precision
     total = sum(per.values())
-    low = sum(v for k, v in per.items() if k in quant.WEIGHT_FORMATS) if params.precision_schedule else 0
+    if params.precision_schedule:
+        low = sum(v for k, v in per.items() if k in quant.WEIGHT_FORMATS)
+    else:  # the whole run in int8 / fp8 weights, or bf16: every forward is low precision
+        low = total if llm.model.weight_format is not None or llm.model.dtype != torch.float32 else 0
     from dinfer_rt.demo import task
 
     texts = [o.text for o in llm.generate([it.letters for it in task.heldout(limit)], params)]
@@ -102,7 +105,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --out/precision.json")
     a = ap.parse_args()
+    if a.plot_only:
+        _plot(json.loads((a.out / "precision.json").read_text())["rows"], a.out / "precision.png")
+        return
     base = dict(
         strategy="threshold", threshold=0.9, gen_length=40, block_length=8, batch_size=a.batch, early_stop=False
     )
@@ -177,20 +184,29 @@ def main() -> None:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
+    """Left: accuracy and decisions kept (outputs identical to fp32) against the low-precision
+    share; right: the same against ms per token. Points are numbered; the legend names them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
+    for i, r in enumerate(rows, start=1):
         ms = 1000 / r["tokens_per_s"]
-        ax.scatter(ms, 100 * r["accuracy"], s=30 + 120 * r["low_precision_share"])
-        ax.annotate(r["config"], (ms, 100 * r["accuracy"]), fontsize=7, xytext=(4, 2), textcoords="offset points")
-    ax.set_xlabel("ms per generated token (batch throughput, this CPU)")
-    ax.set_ylabel("accuracy on the embedded task (%)")
-    ax.set_title("Precision schedules: accuracy against cost (marker size: low-precision share)")
-    fig.tight_layout()
+        for ax, x in ((left, 100 * r["low_precision_share"]), (right, ms)):
+            ax.scatter(x, 100 * r["identical_to_full"], marker="o", color=f"C{i % 10}", label=f"{i}: {r['config']}")
+            ax.scatter(x, 100 * r["accuracy"], marker="x", color=f"C{i % 10}")
+            ax.annotate(
+                str(i), (x, 100 * r["identical_to_full"]), fontsize=8, xytext=(3, 3), textcoords="offset points"
+            )
+    left.set_xlabel("forwards in low precision (%)")
+    right.set_xlabel("ms per generated token (batch throughput, this CPU)")
+    left.set_ylabel("o: outputs identical to fp32 (%)   x: task accuracy (%)")
+    handles, labels = left.get_legend_handles_labels()
+    fig.legend(handles[: len(rows)], labels[: len(rows)], loc="lower center", ncol=3, fontsize=7)
+    fig.suptitle("Precisions and schedules on the embedded model: decisions kept against cost")
+    fig.tight_layout(rect=(0, 0.17, 1, 0.95))
     fig.savefig(path, dpi=120)
 
 
