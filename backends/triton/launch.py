@@ -68,7 +68,9 @@ def default_config(kernel: str, t: dict) -> dict:
     if kernel == "router":
         return {"ROWS": max(t["rows"], 16) if t["rows"] > 1 else 16}
     if kernel in ("linear_wq", "linear_gptq"):
-        return {"BLOCK_M": t["gemm_m"], "BLOCK_N": t["gemm_n"], "BLOCK_K": t["gemm_k"], "num_warps": t["gemm_warps"]}
+        # the interpreter runs one Python step per program and K tile: big tiles there (GPU rows keep 1 row)
+        m, n = (t["gemm_m"], t["gemm_n"]) if t["rows"] == 1 else (128, 128)
+        return {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": t["gemm_k"], "num_warps": t["gemm_warps"]}
     if kernel in ("lm_head_confidence", "moe"):
         head = {"BLOCK_V": t["gemm_n"]} if kernel == "lm_head_confidence" else {"BLOCK_N": t["gemm_n"]}
         return {"BLOCK_M": t["gemm_m"], "BLOCK_K": t["gemm_k"], "num_warps": t["gemm_warps"], **head}
