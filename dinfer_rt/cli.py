@@ -489,7 +489,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--metric", default="exact", help="--data: exact, contains or regex")
     e.add_argument("--regex", default=None, help="--data, metric regex: pattern whose group 1 is the answer")
     e.add_argument("--output", type=Path, default=None, help="--data: write per-item results here (JSONL)")
-    e.add_argument("--json", action="store_true", help="one JSON object: accuracy, nfe, tpf, tokens_per_s, wall_s, n")
+    e.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object: accuracy, nfe, tpf, tokens_per_s, wall_s, n, forwards_by_precision",
+    )
     _add_model_args(e)
     _add_sampling_args(e)
     _add_parallel_args(e)
