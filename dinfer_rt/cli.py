@@ -60,15 +60,48 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data-parallel-size", type=_int_in(1), default=1, help="M replicas (own TP groups) split the prompts"
     )
+    p.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="MoE layers: split whole experts over the ranks (E/N each) instead of each expert's intermediate size",
+    )
+
+
+def _torchrun_rank(a: argparse.Namespace) -> int | None:
+    """Under ``torchrun`` (WORLD_SIZE set; env:// rendezvous, one or several machines) with
+    ``--tensor-parallel-size`` > 1: check the sizes, join torchrun's process group and return this
+    rank; None when this process should start its own ranks (or run alone)."""
+    from dinfer_rt import parallel
+    from dinfer_rt.loader import default_model_path
+    from dinfer_rt.spec import parse_spec
+
+    world = getattr(a, "tensor_parallel_size", 1)
+    if "WORLD_SIZE" not in os.environ or world == 1:
+        return None
+    parallel.check_split(parse_spec(a.model or default_model_path()), world, a.expert_parallel)
+    if a.data_parallel_size > 1:
+        raise DinferError("--data-parallel-size under torchrun: start one torchrun per replica instead")
+    if int(os.environ["WORLD_SIZE"]) != world:
+        raise DinferError(f"--tensor-parallel-size {world} but torchrun started {os.environ['WORLD_SIZE']} ranks")
+    rank = int(os.environ["RANK"])
+    parallel.init_group(a.backend, rank, world)
+    return rank
 
 
 def _llm(a: argparse.Namespace):
-    """The LLM the model flags describe: in this process, or on worker processes (TP / DP > 1)."""
+    """The LLM the model flags describe: in this process, on worker processes it starts (TP / DP >
+    1), or this torchrun rank's shard (``a.rank`` is set to the rank, 0 otherwise)."""
     from dinfer_rt.llm import LLM
 
     tp, dp = getattr(a, "tensor_parallel_size", 1), getattr(a, "data_parallel_size", 1)
     if (tp > 1 or dp > 1) and a.quantization is not None:
         raise DinferError("--quantization with --tensor-parallel-size / --data-parallel-size is not supported yet")
+    a.rank = _torchrun_rank(a)
+    if a.rank is not None:
+        from dinfer_rt.parallel import load_sharded
+
+        return LLM(load_sharded(a.model, a.rank, tp, a.backend, a.dtype, a.expert_parallel))
+    a.rank = 0
     return LLM(
         a.model,
         backend=a.backend,
@@ -77,6 +110,7 @@ def _llm(a: argparse.Namespace):
         quantization=a.quantization,
         tensor_parallel_size=tp,
         data_parallel_size=dp,
+        expert_parallel=getattr(a, "expert_parallel", False),
     )
 
 
@@ -166,21 +200,16 @@ def _generate_tensor_parallel(a: argparse.Namespace) -> int:
     world = a.tensor_parallel_size
     if a.quantization is not None:
         raise DinferError("--quantization with --tensor-parallel-size / --data-parallel-size is not supported yet")
-    parallel.check_split(parse_spec(a.model or default_model_path()), world)  # before spawning
-    if "WORLD_SIZE" in os.environ:  # started by torchrun (env:// rendezvous, one or several machines)
-        rank = int(os.environ["RANK"])
-        if a.data_parallel_size > 1:
-            raise DinferError("--data-parallel-size under torchrun: start one torchrun per replica instead")
-        if int(os.environ["WORLD_SIZE"]) != world:
-            raise DinferError(f"--tensor-parallel-size {world} but torchrun started {os.environ['WORLD_SIZE']} ranks")
-        parallel.init_group(a.backend, rank, world)
-        outs = generate_on_rank(rank, world, a.model, a.prompts, _params(a), a.backend, a.dtype)
+    parallel.check_split(parse_spec(a.model or default_model_path()), world, a.expert_parallel)  # before spawning
+    rank = _torchrun_rank(a)
+    if rank is not None:  # started by torchrun
+        outs = generate_on_rank(rank, world, a.model, a.prompts, _params(a), a.backend, a.dtype, a.expert_parallel)
         if rank != 0:
             return 0
     else:
         outs = generate_parallel(
             a.model, a.prompts, _params(a), tensor_parallel_size=world, data_parallel_size=a.data_parallel_size,
-            backend=a.backend, dtype=a.dtype,
+            expert_parallel=a.expert_parallel, backend=a.backend, dtype=a.dtype,
         )  # fmt: skip
     for prompt, o in zip(a.prompts, outs):
         print(json.dumps({"prompt": prompt, "text": o.text, "token_ids": o.token_ids}) if a.json else o.text)
@@ -226,7 +255,9 @@ def cmd_eval(a: argparse.Namespace) -> int:
         return _eval_data(llm, a)
     from dinfer_rt.demo.bench import evaluate
 
-    r = evaluate(llm, _params(a), limit=a.limit or 1000, progress=not a.json)
+    r = evaluate(llm, _params(a), limit=a.limit or 1000, progress=not a.json and a.rank == 0)
+    if a.rank != 0:  # a torchrun rank other than 0: the same result, reported once by rank 0
+        return 0
     if a.json:
         print(json.dumps(r.as_dict()))
     else:
@@ -249,9 +280,11 @@ def _eval_data(llm, a: argparse.Namespace) -> int:
         metric=a.metric,
         pattern=a.regex,
         limit=a.limit,
-        output=a.output,
-        progress=not a.json,
+        output=a.output if a.rank == 0 else None,
+        progress=not a.json and a.rank == 0,
     )
+    if a.rank != 0:
+        return 0
     if a.json:
         print(json.dumps(r.as_dict()))
         return 0
@@ -283,8 +316,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
         if a.data_parallel_size > 1 or a.quantization is not None:
             raise DinferError("bench --tensor-parallel-size: one TP group, unquantised (no --data-parallel-size)")
-        args = (a.model, a.batch_size, params, a.warmup, a.iters, a.backend, a.dtype)
-        result = parallel.launch(a.tensor_parallel_size, bench_on_rank, *args, backend=a.backend)
+        args = (a.model, a.batch_size, params, a.warmup, a.iters, a.backend, a.dtype, a.expert_parallel)
+        rank = _torchrun_rank(a)
+        if rank is None:
+            result = parallel.launch(a.tensor_parallel_size, bench_on_rank, *args, backend=a.backend)
+        else:  # this torchrun rank runs its share; rank 0 reports
+            result = bench_on_rank(rank, a.tensor_parallel_size, *args)
+            if rank != 0:
+                return 0
     else:
         llm = _llm(a)
         prompts = [llm.encode(it.letters, params.chat) for it in task.heldout(a.batch_size)]
@@ -296,14 +335,16 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
-def bench_on_rank(rank: int, world: int, path, n_prompts: int, params, warmup: int, iters: int, backend, dtype):
+def bench_on_rank(
+    rank: int, world: int, path, n_prompts: int, params, warmup: int, iters: int, backend, dtype, expert_parallel=False
+):
     """``dinfer-rt bench`` on rank ``rank``'s shard: every rank runs the measured forwards."""
     from dinfer_rt.demo import task
     from dinfer_rt.llm import LLM
     from dinfer_rt.parallel import load_sharded
     from dinfer_rt.validation.perf import measure
 
-    llm = LLM(load_sharded(path, rank, world, backend, dtype))
+    llm = LLM(load_sharded(path, rank, world, backend, dtype, expert_parallel))
     prompts = [llm.encode(it.letters, params.chat) for it in task.heldout(n_prompts)]
     return measure(llm.model, prompts, params, warmup, iters)
 

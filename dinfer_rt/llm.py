@@ -44,10 +44,12 @@ class LLM:
         quantization: str | None = None,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
+        expert_parallel: bool = False,
     ) -> None:
         """``tensor_parallel_size`` / ``data_parallel_size`` > 1: ``generate`` runs on that many
         worker processes (``dinfer_rt.parallel``; started for each call, each loading only its
-        shard), and this process holds no weights (``self.model`` is None)."""
+        shard), and this process holds no weights (``self.model`` is None). ``expert_parallel``:
+        MoE layers split whole experts over the ranks instead of each expert's intermediate size."""
         self.parallel = None
         if tensor_parallel_size > 1 or data_parallel_size > 1:
             from dinfer_rt import parallel
@@ -58,8 +60,13 @@ class LLM:
                 raise GenerationError(
                     "tensor_parallel_size > 1 takes a model path (each rank loads its shard), unquantised"
                 )
-            parallel.check_split(parse_spec(Path(model) if model else default_model_path()), tensor_parallel_size)
-            sizes = {"tensor_parallel_size": tensor_parallel_size, "data_parallel_size": data_parallel_size}
+            spec = parse_spec(Path(model) if model else default_model_path())
+            parallel.check_split(spec, tensor_parallel_size, expert_parallel)
+            sizes = {
+                "tensor_parallel_size": tensor_parallel_size,
+                "data_parallel_size": data_parallel_size,
+                "expert_parallel": expert_parallel,
+            }
             self.parallel = {"path": model, "backend": backend, "dtype": dtype, **sizes}
             self.model = None
         elif isinstance(model, Model):
@@ -137,27 +144,47 @@ class LLM:
 # ---------------------------------------------------------------- on worker ranks (module level: spawnable)
 
 
-def generate_on_rank(rank: int, world: int, path, prompts: list, params, backend=None, dtype=None):
+def generate_on_rank(
+    rank: int, world: int, path, prompts: list, params, backend=None, dtype=None, expert_parallel: bool = False
+):
     """``LLM.generate`` on rank ``rank``'s shard: its ``GenerationOutput`` per prompt (every rank
     runs the same steps; rank 0's are returned by ``parallel.launch``)."""
     from dinfer_rt.parallel import load_sharded
 
-    return LLM(load_sharded(path, rank, world, backend, dtype)).generate(prompts, params)
+    return LLM(load_sharded(path, rank, world, backend, dtype, expert_parallel)).generate(prompts, params)
 
 
-def replica_on_rank(rank: int, world: int, tp_size: int, path, prompts: list, params, backend=None, dtype=None):
+def replica_on_rank(
+    rank: int,
+    world: int,
+    tp_size: int,
+    path,
+    prompts: list,
+    params,
+    backend=None,
+    dtype=None,
+    expert_parallel: bool = False,
+):
     """Data parallelism: replica ``rank // tp_size`` generates every ``replicas``-th prompt on its
     own tensor-parallel group; its first rank returns ``(prompt index, output)`` rows."""
     replicas, replica, tp_rank = world // tp_size, rank // tp_size, rank % tp_size
     mine = list(range(replica, len(prompts), replicas))
     if not mine:
         return []
-    outs = generate_on_rank(tp_rank, tp_size, path, [prompts[i] for i in mine], params, backend, dtype)
+    outs = generate_on_rank(tp_rank, tp_size, path, [prompts[i] for i in mine], params, backend, dtype, expert_parallel)
     return list(zip(mine, outs)) if tp_rank == 0 else []
 
 
 def generate_parallel(
-    path, prompts: list, params, *, tensor_parallel_size: int = 1, data_parallel_size: int = 1, backend=None, dtype=None
+    path,
+    prompts: list,
+    params,
+    *,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    expert_parallel: bool = False,
+    backend=None,
+    dtype=None,
 ) -> list[GenerationOutput]:
     """``LLM.generate`` over ``data_parallel_size`` replicas of ``tensor_parallel_size`` ranks
     each (spawned on this machine for this call): one ``GenerationOutput`` per prompt, in order."""
@@ -165,16 +192,18 @@ def generate_parallel(
     from dinfer_rt.loader import default_model_path
     from dinfer_rt.spec import parse_spec
 
-    parallel.check_split(parse_spec(Path(path) if path else default_model_path()), tensor_parallel_size)
+    spec = parse_spec(Path(path) if path else default_model_path())
+    parallel.check_split(spec, tensor_parallel_size, expert_parallel)
     if data_parallel_size < 1:
         raise parallel.ParallelError(f"data parallel size must be >= 1, got {data_parallel_size}")
     world = tensor_parallel_size * data_parallel_size
     if world == 1:
         return generate_on_rank(0, 1, path, prompts, params, backend, dtype)
+    args = (path, prompts, params, backend, dtype, expert_parallel)
     if data_parallel_size == 1:
-        return parallel.launch(world, generate_on_rank, path, prompts, params, backend, dtype, backend=backend)
+        return parallel.launch(world, generate_on_rank, *args, backend=backend)
     rows = parallel.launch(
-        world, replica_on_rank, tensor_parallel_size, path, prompts, params, backend, dtype,
+        world, replica_on_rank, tensor_parallel_size, *args,
         backend=backend, tp_size=tensor_parallel_size, all_ranks=True,
     )  # fmt: skip
     by_prompt = dict(row for rank_rows in rows for row in rank_rows)

@@ -62,6 +62,7 @@ def load_model(
     check_weights: bool = True,
     tensor_parallel: tuple[int, int] | None = None,
     quantization: str | None = None,
+    expert_parallel: bool = False,
 ) -> Model:
     """Load a checkpoint folder (config.json + safetensors + tokenizer.json).
 
@@ -72,7 +73,8 @@ def load_model(
     passes to skip for this model (e.g. to build an unfused twin). ``check_weights`` scans
     every weight for NaN / infinity at load (off for trusted checkpoints). ``tensor_parallel``
     ``(rank, world)`` loads rank ``rank``'s shard (``dinfer_rt.parallel``; the process group must
-    be initialised, as ``dinfer_rt.parallel.launch`` does). ``quantization`` ("int8", "fp8")
+    be initialised, as ``dinfer_rt.parallel.launch`` does); its MoE layers split each routed
+    expert's intermediate size, or with ``expert_parallel`` whole experts. ``quantization`` ("int8", "fp8")
     quantises the decoder projections as they are read (weight-only, per output channel) and keeps
     only the quantised copies; a GPTQ checkpoint (config.json ``quantization_config``) loads in
     its packed 4-bit layout without it (``docs/quantization.md``).
@@ -85,13 +87,13 @@ def load_model(
         from dinfer_rt.passes.shard import TensorParallel, check_split
 
         rank, world = tensor_parallel
-        check_split(spec, world)  # before any weight is read
+        check_split(spec, world, expert_parallel)  # before any weight is read
         if group_size() != world:
             raise ConfigError(
                 f"tensor_parallel={tensor_parallel}: the process group has {group_size()} rank(s), not {world}; "
                 "start the ranks with dinfer_rt.parallel.launch (or torchrun) and init_group first"
             )
-        tp = TensorParallel(rank, world)
+        tp = TensorParallel(rank, world, expert_parallel)
     be = select_backend(backend)
     dt = auto_dtype(spec, be) if dtype in (None, "auto") else resolve_dtype(dtype)
     if dt not in be.capabilities().dtypes:

@@ -40,6 +40,7 @@ def init_group(backend_name: str | None, rank: int, world: int, tp_size: int | N
     from dinfer_rt.plugins import select_backend
 
     backend = select_backend(backend_name)
+    check_devices(backend, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     library = (backend.capabilities().collectives or "gloo").split()[0]
     devices = getattr(torch, backend.device_type, None) if backend.device_type != "cpu" else None
     if devices is not None and hasattr(devices, "set_device"):  # one device per rank on this machine
@@ -63,6 +64,23 @@ def init_group(backend_name: str | None, rank: int, world: int, tp_size: int | N
 
 
 group_size = ops.group_size  # ranks in the group the IR's collectives use (1: none)
+
+_VISIBLE = {"cuda": "CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+def check_devices(backend, ranks_here: int) -> None:
+    """One device per rank: more ranks on this machine than the backend's visible devices is a
+    one-line error (before any process starts or any weight is read). CPU ranks share the host."""
+    kind = backend.device_type
+    if kind == "cpu":
+        return
+    devices = getattr(torch, kind, None)
+    count = devices.device_count() if devices is not None and hasattr(devices, "device_count") else 0
+    if ranks_here > count:
+        raise ParallelError(
+            f"{ranks_here} ranks on this machine but backend {backend.name} sees {count} {kind} device(s) "
+            f"(one device per rank; visibility: {_VISIBLE.get(kind, 'the device runtime')})"
+        )
 
 
 def _free_port() -> int:
@@ -112,6 +130,9 @@ def launch(
         raise ParallelError(f"{world} ranks do not split into tensor-parallel groups of {tp_size}")
     if world < 1:
         raise ParallelError(f"tensor parallel size must be >= 1, got {world}")
+    from dinfer_rt.plugins import select_backend
+
+    check_devices(select_backend(backend), world)
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -154,20 +175,27 @@ def launch(
 # ---------------------------------------------------------------- workers (module level: spawnable)
 
 
-def load_sharded(path, rank: int, world: int, backend: str | None = None, dtype: str | None = None):
+def load_sharded(
+    path, rank: int, world: int, backend: str | None = None, dtype: str | None = None, expert_parallel: bool = False
+):
     from dinfer_rt.loader import load_model
 
-    return load_model(path, backend=backend, dtype=dtype, tensor_parallel=(rank, world))
+    tp = (rank, world)
+    return load_model(path, backend=backend, dtype=dtype, tensor_parallel=tp, expert_parallel=expert_parallel)
 
 
-def forward_worker(rank: int, world: int, path, input_ids: torch.Tensor, block_size: int | None = None):
+def forward_worker(
+    rank: int, world: int, path, input_ids: torch.Tensor, block_size: int | None = None, expert_parallel: bool = False
+):
     """Logits of one forward of the sharded model (every rank computes them; rank 0's return)."""
-    return load_sharded(path, rank, world).forward(input_ids, block_size=block_size)
+    model = load_sharded(path, rank, world, expert_parallel=expert_parallel)
+    return model.forward(input_ids, block_size=block_size)
 
 
 __all__ = [
     "ParallelError",
     "TensorParallel",
+    "check_devices",
     "check_split",
     "group_size",
     "init_group",

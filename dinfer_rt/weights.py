@@ -132,8 +132,8 @@ def load_weights(
 
             shape = local_shape(p.name, p.shape, spec, tensor_parallel)
             rng = shard_ranges(p.name, p.shape, spec, tensor_parallel)
-            if rng is not None:
-                slices[p.sources[0]] = rng
+            if rng is not None:  # stacked experts: the same range of every expert's tensor
+                slices.update(dict.fromkeys(p.sources, rng))
         per_expert = 2 if p.transform == "stack_pairs" else 1
         if p.transform != "copy" and tensor_parallel is not None and spec.moe is not None:
             first, last = tensor_parallel.expert_range(spec)

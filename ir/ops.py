@@ -646,14 +646,16 @@ def _infer_moe(ts, attrs):
 
 
 def local_routing(
-    weights: torch.Tensor, indices: torch.Tensor, first_expert: int, n_local: int
+    weights: torch.Tensor, indices: torch.Tensor, first_expert: int, n_local: int, elsewhere: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert parallelism: the routing restricted to the ``n_local`` experts from ``first_expert``
-    a rank holds. Slots routed elsewhere get weight 0 and local expert 0 (computed, contributing
-    nothing), so kernels keep static shapes; the ranks' partial sums are all-reduced."""
+    a rank holds. Slots routed elsewhere get weight 0 and local expert ``elsewhere`` (0: computed,
+    contributing nothing; ``n_local``: a virtual expert a kernel can skip), so kernels keep static
+    shapes; the ranks' partial sums are all-reduced."""
     local = indices - first_expert
     mine = (local >= 0) & (local < n_local)
-    return torch.where(mine, weights, torch.zeros_like(weights)), torch.where(mine, local, torch.zeros_like(local))
+    kept = torch.where(mine, weights, torch.zeros_like(weights))
+    return kept, torch.where(mine, local, torch.full_like(local, elsewhere))
 
 
 @_register("moe_experts", 5)(_infer_moe)
@@ -663,15 +665,16 @@ def moe_experts(x, weights, indices, w_gate_up, w_down, *, first_expert: int = 0
     ``w_gate_up`` [E, 2I, H] stacks (gate, up) rows per expert; ``w_down`` is [E, H, I].
     Tokens are grouped by expert so each expert runs one matmul over its tokens. Under expert
     parallelism the weights hold experts ``first_expert`` .. ``first_expert + E - 1`` of the
-    model's and ``indices`` stay global: other experts' slots contribute nothing here.
+    model's and ``indices`` stay global: other experts' slots are not computed here.
     """
     flat = x.reshape(-1, x.shape[-1])
     idx = indices.reshape(-1, indices.shape[-1])
     wts = weights.reshape(idx.shape)
-    wts, idx = local_routing(wts, idx, first_expert, w_gate_up.shape[0])
+    n_local = w_gate_up.shape[0]
+    wts, idx = local_routing(wts, idx, first_expert, n_local, elsewhere=n_local)
     out = torch.zeros(flat.shape, dtype=weights.dtype, device=x.device)
     inter = w_down.shape[-1]
-    for e in idx.unique().tolist():
+    for e in idx[idx < n_local].unique().tolist():
         tok, slot = (idx == e).nonzero(as_tuple=True)
         gu = flat[tok] @ w_gate_up[e].T
         h = F.silu(gu[:, :inter]) * gu[:, inter:]

@@ -223,6 +223,22 @@ def test_grouped_moe_kernels(kernels, dtype, experts, top):
     close(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_moe_kernels_compute_only_this_ranks_experts(kernels, dtype):
+    """Expert parallelism: with experts 4..7 of 8 and global ids, the kernels give the routed
+    output of those experts alone (other slots skipped, not computed with weight 0); the
+    reference is the whole model's MoE with the other experts' weights zeroed, in float64."""
+    g = torch.Generator().manual_seed(8)
+    hidden, inter, experts, top = 40, 24, 8, 3
+    x = torch.randn(2, 9, hidden, generator=g).to(dtype)
+    gate_up = (0.2 * torch.randn(experts, 2 * inter, hidden, generator=g)).to(dtype)
+    down = (0.2 * torch.randn(experts, hidden, inter, generator=g)).to(dtype)
+    w, idx = ops.router_softmax_topk(torch.randn(2, 9, experts, generator=g), k=top, renormalize=False)
+    want = ops.moe_experts(x.double(), torch.where(idx >= 4, w, 0).double(), idx, gate_up.double(), down.double())
+    for fn in (kernels["moe_experts"], ops.moe_experts):
+        close(fn(x, w, idx, gate_up[4:], down[4:], first_expert=4), want, dtype)
+
+
 def test_kernels_and_fallbacks_are_shown(cuda, ckpt_dir, capsys):
     from dinfer_rt.cli import main
 

@@ -37,13 +37,9 @@ def test_sharded_logits_equal_one_process(ckpt_dir, gqa_one_kv_head, name, world
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
 
 
-def _bytes_worker(rank, world, path):
-    m = parallel_load(path, rank, world)
+def _bytes_worker(rank, world, path, expert_parallel=False):
+    m = parallel.load_sharded(path, rank, world, expert_parallel=expert_parallel)
     return m.bytes_read, sum(w.numel() * w.element_size() for k, w in m.weights.items() if "|" not in k)
-
-
-def parallel_load(path, rank, world):
-    return parallel.load_sharded(path, rank, world)
 
 
 def test_each_rank_reads_and_holds_about_one_nth_of_the_weights(ckpt_dir):
@@ -164,16 +160,21 @@ def test_a_failing_rank_ends_the_run_naming_it():
         ("llada_gqa_sharded", 4, "does not divide the 6 attention heads"),
         ("llada_moe", 2, "does not divide the 3 attention heads"),
         ("more_ranks_than_experts", 8, "more ranks than the 4 experts"),
+        ("experts_do_not_divide", 4, "does not divide the 6 experts"),
+        ("expert_intermediate", 8, "does not divide the experts' intermediate size 12"),
         ("llada2", 3, "does not divide the 4 attention heads"),
     ],
 )
 def test_configurations_that_cannot_be_split_are_one_line_errors(ckpt_dir, tmp_path, name, world, message):
-    if name == "more_ranks_than_experts":
-        path = checkpoints.llada_moe(tmp_path, heads=8, head_dim=6, experts=4, top_k=2)
+    expert_parallel = name in ("more_ranks_than_experts", "experts_do_not_divide")
+    if name in ("more_ranks_than_experts", "expert_intermediate"):
+        path = checkpoints.llada_moe(tmp_path, heads=8, head_dim=6, experts=4, top_k=2, inter=12)
+    elif name == "experts_do_not_divide":
+        path = checkpoints.llada_moe(tmp_path, heads=8, head_dim=6, experts=6, top_k=2)
     else:
         path = ckpt_dir(name)
     with pytest.raises(ConfigError, match=message):
-        parallel.check_split(parse_spec(path), world)
+        parallel.check_split(parse_spec(path), world, expert_parallel)
 
 
 @pytest.fixture(scope="module")
@@ -186,15 +187,18 @@ def moe_checkpoints(tmp_path_factory):
     }
 
 
+@pytest.mark.parametrize("expert_parallel", [True, False], ids=["ep", "tp_experts"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", ["llada_moe", "llada2"])
-def test_expert_parallel_logits_equal_one_process(moe_checkpoints, name, world):
+def test_moe_logits_equal_one_process(moe_checkpoints, name, world, expert_parallel):
+    """Both ways of splitting the routed experts (whole experts per rank, or every expert's
+    intermediate size) give the one-process logits."""
     path = moe_checkpoints[name]
     spec = parse_spec(path)
     ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(4))
     block = spec.default_block_size if spec.block_causal else None
     want = dinfer_rt.load_model(path, backend="cpu").forward(ids, block_size=block)
-    got = parallel.launch(world, parallel.forward_worker, path, ids, block, timeout=240)
+    got = parallel.launch(world, parallel.forward_worker, path, ids, block, expert_parallel, timeout=240)
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
 
 
@@ -203,7 +207,8 @@ def test_expert_parallel_graph_and_bytes(moe_checkpoints):
     for attention, one for the experts and one for the shared experts; dense layers two."""
     path = moe_checkpoints["llada2"]
     spec = parse_spec(path)
-    g = shard_graph(lower(spec, torch.float32, block_size=spec.default_block_size), spec, TensorParallel(1, 2))
+    ep = TensorParallel(1, 2, expert_parallel=True)
+    g = shard_graph(lower(spec, torch.float32, block_size=spec.default_block_size), spec, ep)
     dense = sum(not spec.is_moe_layer(i) for i in range(spec.n_layers))
     moe_layers = spec.n_layers - dense
     assert g.op_counts()["all_reduce"] == 2 * dense + 3 * moe_layers
@@ -213,10 +218,43 @@ def test_expert_parallel_graph_and_bytes(moe_checkpoints):
     assert router.type.shape[0] == 8  # replicated: every rank routes over all experts
     split = next(n for n in g.nodes if n.op == "split")
     assert split.attrs["sizes"] == (2 * spec.head_dim, spec.head_dim, spec.head_dim)  # 4/2 q heads, 2/2 kv heads
-    read, held = parallel.launch(2, _bytes_worker, path, timeout=240)
+    read, held = parallel.launch(2, _bytes_worker, path, True, timeout=240)
     whole = dinfer_rt.load_model(path, backend="cpu")
     experts = sum(w.numel() * 4 for k, w in whole.weights.items() if k.endswith(("experts_gate_up", "experts_down")))
     assert read < whole.bytes_read - experts // 2 + 1 and held == read
+
+
+def test_tensor_parallel_experts_graph_and_bytes(moe_checkpoints):
+    """Without --expert-parallel every rank holds every expert's 1/N of the intermediate size
+    (gate / up rows, down columns), routes over all experts and sums with one all-reduce; each
+    rank reads at most half of the experts' bytes."""
+    path = moe_checkpoints["llada_moe"]
+    spec = parse_spec(path)
+    g = shard_graph(lower(spec, torch.float32), spec, TensorParallel(0, 2))
+    e, ei, h = spec.moe.n_experts, spec.moe.expert_intermediate, spec.hidden
+    moe = next(n for n in g.nodes if n.op == "moe_experts")
+    assert "first_expert" not in moe.attrs
+    assert moe.inputs[3].type.shape == (e, ei, h) and moe.inputs[4].type.shape == (e, h, ei // 2)
+    assert g.op_counts()["all_reduce"] == 2 * spec.n_layers
+    whole = dinfer_rt.load_model(path, backend="cpu")
+    shards = parallel.launch(2, _expert_slices_worker, path, all_ranks=True, timeout=240)
+    for name in ("layers.0.experts_gate_up", "layers.0.experts_down"):
+        w = whole.weights[name]
+        if name.endswith("gate_up"):  # each rank: its rows of the gate half, then of the up half
+            n = ei // 2
+            gate = torch.cat([s[name][:, :n] for s in shards], 1)
+            up = torch.cat([s[name][:, n:] for s in shards], 1)
+            assert torch.equal(torch.cat([gate, up], 1), w)
+        else:
+            assert torch.equal(torch.cat([s[name] for s in shards], 2), w)
+    experts = sum(w.numel() * 4 for k, w in whole.weights.items() if k.endswith(("experts_gate_up", "experts_down")))
+    assert all(s["bytes_read"] <= whole.bytes_read - experts // 2 for s in shards)
+
+
+def _expert_slices_worker(rank, world, path):
+    m = parallel.load_sharded(path, rank, world)
+    names = ("layers.0.experts_gate_up", "layers.0.experts_down")
+    return {"bytes_read": m.bytes_read, **{k: m.weights[k] for k in names}}
 
 
 def test_loading_a_shard_without_a_process_group_is_refused(ckpt_dir):
@@ -247,6 +285,14 @@ def test_llm_eval_and_bench_take_the_tensor_parallel_size(tmp_path):
     )  # fmt: skip
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
     assert json.loads(two.stdout)["accuracy"] == json.loads(one.stdout)["accuracy"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    under = subprocess.run(
+        [*torchrun, "-m", "dinfer_rt", "eval", "--limit", "6", "--tensor-parallel-size", "2", *common],
+        capture_output=True, text=True, timeout=240, env=env,
+    )  # fmt: skip
+    assert under.returncode == 0, under.stderr[-2000:]
+    (line,) = under.stdout.strip().splitlines()  # reported once, by rank 0
+    assert json.loads(line)["accuracy"] == json.loads(one.stdout)["accuracy"]
     bench = subprocess.run(
         [*run, "bench", "--tensor-parallel-size", "2", "--iters", "1", "--warmup", "0", "--batch-size", "2", *common],
         capture_output=True, text=True, timeout=240, env=env,
@@ -282,3 +328,55 @@ def test_vocabulary_parallel_confidence_head_equals_one_process(ckpt_dir, world,
     assert ((got_s - want_s).abs().max() / want_s.abs().max()).item() <= 1e-5
     logits_bytes = 2 * 8 * 61 * 4
     assert 0 < moved < logits_bytes  # statistics, not the [positions x vocab] logits
+
+
+def test_generate_with_expert_parallel_flag_prints_the_one_process_tokens(moe_checkpoints):
+    """``dinfer-rt generate --tensor-parallel-size 2 [--expert-parallel]`` on LLaDA-MoE: the same
+    token ids as one process either way."""
+    import json
+    import subprocess
+    import sys
+
+    path = str(moe_checkpoints["llada_moe"])
+    run = [sys.executable, "-m", "dinfer_rt", "generate", "--model", path, "--json", "--gen-length", "8"]
+    run += ["--block-length", "4", "--strategy", "low_confidence", "abcde"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ids = []
+    for extra in ([], ["--tensor-parallel-size", "2"], ["--tensor-parallel-size", "2", "--expert-parallel"]):
+        r = subprocess.run([*run, *extra], capture_output=True, text=True, timeout=240, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        ids.append(json.loads(r.stdout.strip().splitlines()[-1])["token_ids"])
+    assert ids[0] == ids[1] == ids[2] and len(ids[0]) == 8
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_to_all_expert_dispatch_equals_one_process(world):
+    """The measured alternative to the runtime's all-reduce combine (benchmarks/moe_dispatch_bench.py):
+    all-to-all dispatch and combine give the one-process MoE output (fp32 1e-5), with a token
+    count the ranks do not divide; the all-reduce path agrees too."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import moe_dispatch_bench as bench
+
+    shape = {"tokens": 7, "hidden": 16, "inter": 8, "experts": 8, "top": 3, "seed": 1}
+    want = bench.reference(shape)
+    got = parallel.launch(world, bench.dispatch_worker, shape, 1, timeout=240)
+    for name in ("all_reduce", "all_to_all"):
+        assert ((got[name]["out"] - want).abs().max() / want.abs().max()).item() <= 1e-5, name
+    assert got["all_to_all"]["sent"] > 0 and got["all_reduce"]["sent"] == 2 * (world - 1) * 7 * 16 // world
+
+
+def test_more_ranks_than_visible_devices_is_a_one_line_error(monkeypatch):
+    """One device per rank: ``launch`` and ``init_group`` refuse more local ranks than the
+    backend's visible devices before any process starts (CPU ranks share the host)."""
+
+    class TwoGpus:
+        name, device_type = "cuda", "cuda"
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    parallel.check_devices(TwoGpus(), 2)
+    with pytest.raises(parallel.ParallelError, match=r"^4 ranks on this machine but backend cuda sees 2 cuda device"):
+        parallel.check_devices(TwoGpus(), 4)
+    parallel.check_devices(dinfer_rt.plugins.select_backend("cpu"), 64)

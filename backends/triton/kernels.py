@@ -448,6 +448,8 @@ def moe_gate_up_kernel(
     dtype roundings, for columns pid(1) * BLOCK_N ..."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(tile_expert_ptr + pid_m)
+    if expert < 0:  # padding, or slots another rank's experts compute (expert parallelism)
+        return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = tl.load(tok_ptr + rows)
     rmask = tok >= 0  # rows of an empty tile (expert -1) are all padding
@@ -494,6 +496,8 @@ def moe_down_kernel(
     reference accumulates experts in fp32; the finalize step sums each token's rows)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(tile_expert_ptr + pid_m)
+    if expert < 0:
+        return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = tl.load(tok_ptr + rows) >= 0
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

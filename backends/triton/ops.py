@@ -265,16 +265,17 @@ def make_kernels(
     def moe_experts(x, weights, indices, w_gate_up, w_down, *, first_expert=0):
         """Expert-sorted slots padded per expert to whole tiles, built on the device with no host
         sync (the padded length is a static bound); two grouped GEMMs; a gather-sum finalize.
-        Under expert parallelism only this rank's experts contribute (``ops.local_routing``)."""
+        Under expert parallelism only this rank's experts are computed: other ranks' slots go to a
+        virtual expert ``n_exp`` whose tiles the kernels skip (``ops.local_routing``)."""
         hidden, inter, n_exp = x.shape[-1], w_down.shape[-1], w_down.shape[0]
-        weights, indices = ops.local_routing(weights, indices, first_expert, n_exp)
+        weights, indices = ops.local_routing(weights, indices, first_expert, n_exp, elsewhere=n_exp)
         flat = x.reshape(-1, hidden).contiguous()
         idx = indices.reshape(flat.shape[0], -1)
         n, top = idx.shape
         cfg = tuned["moe"]
         bm = cfg["BLOCK_M"]
         slot_expert = idx.reshape(-1)
-        counts = torch.bincount(slot_expert, minlength=n_exp)
+        counts = torch.bincount(slot_expert, minlength=n_exp + 1)  # + the virtual "elsewhere" expert
         padded = (counts + bm - 1) // bm * bm
         padded_end = padded.cumsum(0)
         order = torch.argsort(slot_expert, stable=True)
@@ -282,7 +283,7 @@ def make_kernels(
         first = (counts.cumsum(0) - counts)[sorted_expert]
         rank = torch.arange(order.numel(), device=x.device) - first
         pos_sorted = (padded_end - padded)[sorted_expert] + rank
-        n_pad = triton.cdiv(n * top + n_exp * (bm - 1), bm) * bm
+        n_pad = triton.cdiv(n * top + (n_exp + 1) * (bm - 1), bm) * bm
         tok = torch.full((n_pad,), -1, dtype=torch.int32, device=x.device)
         tok[pos_sorted] = (order // top).to(torch.int32)
         row_weight = torch.zeros(n_pad, dtype=torch.float32, device=x.device)
@@ -301,7 +302,9 @@ def make_kernels(
         kern.moe_down_kernel[grid](
             h, w_down.contiguous(), y, tok, row_weight, tile_expert, inter, hidden, **cfg, **common
         )
-        return y[slot_row.view(n, top)].sum(1).to(x.dtype).reshape(x.shape)
+        rows = y[slot_row.view(n, top)]  # slots of the skipped virtual expert hold no values
+        rows = torch.where((idx < n_exp)[..., None], rows, torch.zeros((), dtype=rows.dtype, device=x.device))
+        return rows.sum(1).to(x.dtype).reshape(x.shape)
 
     def moe_routed(x, router_w, expert_bias, w_gate_up, w_down, *, router, **router_attrs):
         logits = ops.linear(x.to(torch.float32), router_w)

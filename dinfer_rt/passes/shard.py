@@ -5,12 +5,15 @@ heads and its slice of the intermediate size), O and down are row-parallel, each
 ``all_reduce`` (sum): two all-reduces of [tokens x hidden] per layer. When there are fewer KV
 heads than ranks, every rank holds one KV head (replicated), the one its query heads read.
 LLaDA2's fused query_key_value weight is split into each rank's Q, K and V rows (three ranges
-of one tensor). Mixture-of-experts layers use **expert parallelism**: each rank holds E/N of the
-stacked experts, the router runs on every rank (replicated, so every rank routes identically),
-the MoE op computes only its own experts' contributions and an ``all_reduce`` sums them; shared
-experts and dense layers are tensor-parallel. (All-reduce rather than all-to-all: every rank
-already holds every token, so combining partial sums needs no dispatch; an all-to-all would move
-fewer bytes only once tokens are split across ranks too, which is not built.) An untied LM head
+of one tensor). Mixture-of-experts layers split their routed experts one of two ways, as vLLM
+does: by default **tensor-parallel experts** (every rank holds every expert's 1/N slice of the
+intermediate size: gate/up rows, down columns), or with ``expert_parallel`` **expert
+parallelism** (each rank holds E/N whole experts and the MoE op computes only its own experts'
+contributions). Either way the router runs on every rank (replicated, so every rank routes
+identically) and one ``all_reduce`` sums the ranks' partial outputs; shared experts and dense
+layers are tensor-parallel. (All-reduce rather than an all-to-all dispatch: measured in
+``benchmarks/moe_dispatch_bench.py`` against ``dinfer_rt.moe_dispatch``; with every rank holding
+every token the all-to-all moves fewer bytes only past 2 x top-k ranks.) An untied LM head
 is **vocabulary-parallel**: each rank holds ceil(V/N) rows; the confidence head reduces each
 rank's logits to a few statistics and all-reduces them (``vocab_parallel_confidence``: the full
 logits are never gathered), and the logits head all-gathers the shards. Embedding and norms
@@ -36,10 +39,12 @@ MOE_OPS = ("moe_experts", "moe_routed")
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """Rank ``rank`` of ``world`` ranks; the sizes each rank holds."""
+    """Rank ``rank`` of ``world`` ranks; the sizes each rank holds. ``expert_parallel``: routed
+    experts split whole (E/N per rank) rather than each expert's intermediate size."""
 
     rank: int
     world: int
+    expert_parallel: bool = False
 
     def kv_heads(self, spec: ModelSpec) -> int:
         return spec.n_kv_heads // self.world if spec.n_kv_heads >= self.world else 1
@@ -53,12 +58,22 @@ class TensorParallel:
         return h, h + 1
 
     def expert_range(self, spec: ModelSpec) -> tuple[int, int]:
-        """The routed experts this rank holds (expert parallelism): a contiguous E/N block."""
+        """The routed experts this rank holds: a contiguous E/N block under expert parallelism,
+        all of them (each sliced) otherwise."""
+        if not self.expert_parallel:
+            return 0, spec.moe.n_experts
         n = spec.moe.n_experts // self.world
         return self.rank * n, (self.rank + 1) * n
 
+    def expert_intermediate_range(self, spec: ModelSpec) -> tuple[int, int]:
+        """Tensor-parallel experts: the rows of each expert's gate / up (columns of its down) held."""
+        if self.expert_parallel:
+            return 0, spec.moe.expert_intermediate
+        n = spec.moe.expert_intermediate // self.world
+        return self.rank * n, (self.rank + 1) * n
 
-def check_split(spec: ModelSpec, world: int) -> None:
+
+def check_split(spec: ModelSpec, world: int, expert_parallel: bool = False) -> None:
     """Whether ``spec`` splits over ``world`` ranks; a one-line error naming the field if not
     (before any weight is read)."""
     where = f"tensor parallel size {world}"
@@ -77,10 +92,15 @@ def check_split(spec: ModelSpec, world: int) -> None:
         if spec.intermediate % world:
             raise ConfigError(f"{where} does not divide the MLP intermediate size {spec.intermediate}")
         return
-    if world > moe.n_experts:
+    if expert_parallel and world > moe.n_experts:
         raise ConfigError(f"{where}: more ranks than the {moe.n_experts} experts (expert parallelism)")
-    if moe.n_experts % world:
+    if expert_parallel and moe.n_experts % world:
         raise ConfigError(f"{where} does not divide the {moe.n_experts} experts (expert parallelism)")
+    if not expert_parallel and moe.expert_intermediate % world:
+        raise ConfigError(
+            f"{where} does not divide the experts' intermediate size {moe.expert_intermediate} "
+            "(tensor-parallel experts; --expert-parallel splits whole experts instead)"
+        )
     if moe.n_shared and (moe.expert_intermediate * moe.n_shared) % world:
         raise ConfigError(f"{where} does not divide the shared experts' size {moe.expert_intermediate * moe.n_shared}")
     dense = any(not spec.is_moe_layer(i) for i in range(spec.n_layers))
@@ -110,8 +130,12 @@ def local_shape(param: str, shape: tuple, spec: ModelSpec, tp: TensorParallel) -
         return (hi - lo, *shape[1:])
     if r is None:
         return shape
-    if r in EXPERT:
+    if r in EXPERT and tp.expert_parallel:
         return (spec.moe.n_experts // tp.world, *shape[1:])
+    if r == "experts_gate_up":  # tensor-parallel experts: [E, 2I, H] -> [E, 2I/N, H]
+        return (shape[0], shape[1] // tp.world, shape[2])
+    if r == "experts_down":  # [E, H, I] -> [E, H, I/N]
+        return (*shape[:2], shape[2] // tp.world)
     heads = {"q": spec.n_heads // tp.world, "k": tp.kv_heads(spec), "v": tp.kv_heads(spec)}
     heads["qkv"] = heads["q"] + 2 * heads["k"]
     if r in heads:
@@ -126,12 +150,16 @@ def local_shape(param: str, shape: tuple, spec: ModelSpec, tp: TensorParallel) -
 def shard_ranges(param: str, shape: tuple, spec: ModelSpec, tp: TensorParallel) -> tuple[int, list] | None:
     """``(dim, [(lo, hi), ...])``: the ranges of ``param`` rank ``tp.rank`` holds, concatenated in
     order (rows of a column-parallel weight and its bias, columns of a row-parallel one; Q, K and
-    V rows of a fused QKV weight); None if replicated (stacked experts: ``expert_range``)."""
+    V rows of a fused QKV weight); None if replicated. For stacked experts the ranges apply to
+    each expert's own source tensor (tensor-parallel experts: gate / up rows, down columns);
+    which experts a rank reads is ``expert_range``."""
     r, d = role(param), spec.head_dim
     if param == "lm_head" and vocab_parallel(spec) and tp.world > 1:
         return 0, [vocab_shard(shape[0], tp.rank, tp.world)]
-    if r is None or r in EXPERT or tp.world == 1:
+    if r is None or tp.world == 1 or (r in EXPERT and tp.expert_parallel):
         return None
+    if r in EXPERT:
+        return (0 if r == "experts_gate_up" else 1), [tp.expert_intermediate_range(spec)]
     q = spec.n_heads // tp.world * d
     q_rng = (tp.rank * q, (tp.rank + 1) * q)
     h0, h1 = tp.kv_head_range(spec)
@@ -152,7 +180,7 @@ def shard_ranges(param: str, shape: tuple, spec: ModelSpec, tp: TensorParallel) 
 
 def shard_graph(graph: Graph, spec: ModelSpec, tp: TensorParallel) -> Graph:
     """Rewrite ``graph`` (lowered for the whole model) in place for rank ``tp.rank``."""
-    check_split(spec, tp.world)
+    check_split(spec, tp.world, tp.expert_parallel)
     if tp.world == 1:
         return graph
     for p in graph.params:
@@ -194,7 +222,7 @@ def shard_graph(graph: Graph, spec: ModelSpec, tp: TensorParallel) -> Graph:
                 node.attrs["heads"] = spec.n_heads // tp.world
             elif r in ("k", "v"):
                 node.attrs["heads"] = kv_local
-        if node.op in MOE_OPS:
+        if node.op in MOE_OPS and tp.expert_parallel:
             node.attrs["first_expert"] = tp.expert_range(spec)[0]
         _reinfer(node)
         nodes.append(node)

@@ -159,6 +159,14 @@ def cases(quick: bool = False) -> list[OpCase]:
             keep_fp32_inputs=(1,),
         ),
         OpCase("moe_experts", "e6k2", _moe_inputs, float_inputs=(0, 3, 4), keep_fp32_inputs=(1,)),
+        OpCase(  # expert parallelism: this rank holds experts 3..5 of 6, routing ids stay global
+            "moe_experts",
+            "expert-parallel-e3of6",
+            _moe_expert_parallel_inputs,
+            {"first_expert": 3},
+            float_inputs=(0, 3, 4),
+            keep_fp32_inputs=(1,),
+        ),
         OpCase(
             "add_rms_norm",
             "hidden-odd",
@@ -229,6 +237,11 @@ def _moe_inputs(g):
         torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(10)]).view(2, 5, 2),
     )
     return [x, w, idx, _r(g, 6, 2 * 12, 24, scale=0.2), _r(g, 6, 24, 12, scale=0.3)]
+
+
+def _moe_expert_parallel_inputs(g):
+    x, w, idx, gate_up, down = _moe_inputs(g)
+    return [x, w, idx, gate_up[3:], down[3:]]
 
 
 def _rope_attention_case(
