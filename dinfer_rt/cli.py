@@ -233,10 +233,22 @@ def cmd_serve(a: argparse.Namespace) -> int:
         shutdown_after_requests=a.shutdown_after_requests,
         shutdown_after_s=a.shutdown_after_s,
     )
-    model = load_model(
-        a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights, quantization=a.quantization
-    )
-    return serve(model, defaults, config)
+    if a.tensor_parallel_size > 1:
+        raise DinferError(
+            "serve --tensor-parallel-size: not built yet (ranks would have to step in lockstep); "
+            "serve --data-parallel-size M runs M one-device replicas"
+        )
+    load = {"backend": a.backend, "dtype": a.dtype, "check_weights": not a.no_check_weights}
+    load["quantization"] = a.quantization
+    if a.data_parallel_size > 1:
+        from dinfer_rt.replicas import ReplicaPool
+        from dinfer_rt.server import engine_kwargs
+
+        kwargs = engine_kwargs(config, defaults)
+        kwargs.pop("max_queue")
+        pool = ReplicaPool(a.data_parallel_size, {"path": a.model, **load}, kwargs, max_queue=config.max_queue)
+        return serve(pool, defaults, config)
+    return serve(load_model(a.model, **load), defaults, config)
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
@@ -518,6 +530,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for running rows")
     sv.add_argument("--shutdown-after-requests", type=_int_in(1), default=None, help="exit after N answers (tests)")
     sv.add_argument("--shutdown-after-s", type=float, default=None, help="exit after S seconds (tests)")
+    sv.add_argument(
+        "--data-parallel-size",
+        type=_int_in(1),
+        default=1,
+        help="M engine replicas (processes, one device each)",
+    )
+    sv.add_argument("--tensor-parallel-size", type=_int_in(1), default=1, help=argparse.SUPPRESS)
     _add_model_args(sv)
     _add_sampling_args(sv)
     sv.set_defaults(func=cmd_serve)

@@ -170,6 +170,57 @@ class _Row:
         return torch.cat((pred, rest))
 
 
+def check_request(
+    prompt: list[int],
+    params: SamplingParams,
+    max_tokens: int | None,
+    *,
+    vocab: int,
+    max_model_len: int,
+    block_size: int | None,
+    has_tokenizer: bool,
+) -> int:
+    """The engine's admission checks: a ``GenerationError`` naming the field, else ``max_tokens``
+    (default ``params.gen_length``)."""
+    params.validate()
+    if params.cfg_scale > 0:
+        raise GenerationError("cfg_scale: classifier-free guidance is not served by the engine (LLM.generate has it)")
+    if params.precision_schedule is not None:
+        raise GenerationError(
+            "precision_schedule: not served by the engine yet (LLM.generate has it); serve a quantised "
+            "model with --quantization instead"
+        )
+    if block_size is not None and params.block_length != block_size:
+        raise GenerationError(
+            f"block_length {params.block_length}: this block-causal model is served with block_length "
+            f"{block_size} only (its attention mask is compiled for it)"
+        )
+    if not prompt:
+        raise GenerationError("prompt: at least one token is needed")
+    check_token_ids([prompt], vocab)
+    max_tokens = params.gen_length if max_tokens is None else max_tokens
+    if not 1 <= max_tokens <= params.gen_length:
+        raise GenerationError(f"max_tokens {max_tokens} must be in [1, gen_length {params.gen_length}]")
+    if len(prompt) + params.gen_length > max_model_len:
+        raise GenerationError(
+            f"prompt ({len(prompt)} tokens) + {params.gen_length} generated = {len(prompt) + params.gen_length} "
+            f"tokens exceeds the max model length {max_model_len}"
+        )
+    if params.stop and not has_tokenizer:
+        raise GenerationError("stop: stop strings need the model's tokenizer (loaded without one)")
+    return max_tokens
+
+
+def notify(req: Request, event: str) -> None:
+    """Hand an event to the request's listener; a listener that fails (its client's event loop
+    gone) must not stop the engine, so its error only detaches it."""
+    if req.listener is not None:
+        try:
+            req.listener(req, event)
+        except Exception:
+            req.listener = None
+
+
 class Engine:
     """Continuous batching over one model: ``submit`` requests, call ``step`` until idle.
 
@@ -219,34 +270,7 @@ class Engine:
     ) -> Request:
         """Validate and queue a request (ids). ``max_tokens`` cuts the output (default
         ``params.gen_length``, which must hold it). Raises ``GenerationError`` naming the field."""
-        params.validate()
-        if params.cfg_scale > 0:
-            raise GenerationError(
-                "cfg_scale: classifier-free guidance is not served by the engine (LLM.generate has it)"
-            )
-        if params.precision_schedule is not None:
-            raise GenerationError(
-                "precision_schedule: not served by the engine yet (LLM.generate has it); serve a quantised "
-                "model with --quantization instead"
-            )
-        if self.block_size is not None and params.block_length != self.block_size:
-            raise GenerationError(
-                f"block_length {params.block_length}: this block-causal model is served with block_length "
-                f"{self.block_size} only (its attention mask is compiled for it)"
-            )
-        if not prompt:
-            raise GenerationError("prompt: at least one token is needed")
-        check_token_ids([prompt], self.model.spec.vocab)
-        max_tokens = params.gen_length if max_tokens is None else max_tokens
-        if not 1 <= max_tokens <= params.gen_length:
-            raise GenerationError(f"max_tokens {max_tokens} must be in [1, gen_length {params.gen_length}]")
-        if len(prompt) + params.gen_length > self.max_model_len:
-            raise GenerationError(
-                f"prompt ({len(prompt)} tokens) + {params.gen_length} generated = {len(prompt) + params.gen_length} "
-                f"tokens exceeds the max model length {self.max_model_len}"
-            )
-        if params.stop and self.model.tokenizer is None:
-            raise GenerationError("stop: stop strings need the model's tokenizer (loaded without one)")
+        max_tokens = self.check_request(prompt, params, max_tokens)
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt), params, max_tokens, listener, return_canvas)
         with self._lock:
             if self.closed:
@@ -255,6 +279,14 @@ class Engine:
                 raise QueueFull(f"the wait queue is full ({len(self.waiting)} of max_queue {self.max_queue})")
             self.waiting.append(req)
         return req
+
+    def check_request(self, prompt: list[int], params: SamplingParams, max_tokens: int | None) -> int:
+        """What ``submit`` refuses, without queueing (a front end over replicas checks it before
+        routing): a ``GenerationError`` naming the field, else the request's ``max_tokens``."""
+        return check_request(
+            prompt, params, max_tokens, vocab=self.model.spec.vocab, max_model_len=self.max_model_len,
+            block_size=self.block_size, has_tokenizer=self.model.tokenizer is not None,
+        )  # fmt: skip
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (a client went away): its slot is freed at the next step."""
@@ -421,7 +453,7 @@ class Engine:
         grew = len(final) > len(req.final_ids)
         req.final_ids = final
         if grew or req.return_canvas:
-            self._notify(req, "update")
+            notify(req, "update")
         if not grew:
             return
         kept = before_eos(final, self.eos)
@@ -458,17 +490,7 @@ class Engine:
             self.stats.failed += 1
         else:
             self.stats.finished += 1
-        self._notify(req, "finish")
-
-    @staticmethod
-    def _notify(req: Request, event: str) -> None:
-        """Hand an event to the request's listener; a listener that fails (its client's event
-        loop gone) must not stop the engine, so its error only detaches it."""
-        if req.listener is not None:
-            try:
-                req.listener(req, event)
-            except Exception:
-                req.listener = None
+        notify(req, "finish")
 
     # ---------------------------------------------------------------- in-process use
     def run_until_idle(self, max_steps: int | None = None) -> None:

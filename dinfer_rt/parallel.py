@@ -42,10 +42,7 @@ def init_group(backend_name: str | None, rank: int, world: int, tp_size: int | N
     backend = select_backend(backend_name)
     check_devices(backend, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     library = (backend.capabilities().collectives or "gloo").split()[0]
-    devices = getattr(torch, backend.device_type, None) if backend.device_type != "cpu" else None
-    if devices is not None and hasattr(devices, "set_device"):  # one device per rank on this machine
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        devices.set_device(local % max(1, devices.device_count()))
+    bind_device(backend, int(os.environ.get("LOCAL_RANK", rank)))
     if not dist.is_initialized():
         dist.init_process_group(library, rank=rank, world_size=world)
     tp = tp_size or world
@@ -66,6 +63,13 @@ def init_group(backend_name: str | None, rank: int, world: int, tp_size: int | N
 group_size = ops.group_size  # ranks in the group the IR's collectives use (1: none)
 
 _VISIBLE = {"cuda": "CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+def bind_device(backend, local_rank: int) -> None:
+    """One device per process on this machine: the ``local_rank``-th visible one (no-op on the CPU)."""
+    devices = getattr(torch, backend.device_type, None) if backend.device_type != "cpu" else None
+    if devices is not None and hasattr(devices, "set_device"):
+        devices.set_device(local_rank % max(1, devices.device_count()))
 
 
 def check_devices(backend, ranks_here: int) -> None:
@@ -195,6 +199,7 @@ def forward_worker(
 __all__ = [
     "ParallelError",
     "TensorParallel",
+    "bind_device",
     "check_devices",
     "check_split",
     "group_size",

@@ -91,9 +91,10 @@ class EngineLoop:
                 self.wake.clear()
                 continue
             t0 = time.perf_counter()
-            before = self.engine.stats.committed
+            before, steps = self.engine.stats.committed, self.engine.stats.steps
             finished = self.engine.step()
-            self.metrics.on_step(time.perf_counter() - t0, self.engine, self.engine.stats.committed - before)
+            if self.engine.stats.steps != steps:  # a forward ran (a replica pool's step may only relay events)
+                self.metrics.on_step(time.perf_counter() - t0, self.engine, self.engine.stats.committed - before)
             for req in finished:
                 self.metrics.on_finish(req)
         self.stopped.set()
@@ -108,6 +109,9 @@ class EngineLoop:
         self.wake.set()
         if self.thread is not None:
             self.thread.join(timeout=5)
+        shutdown = getattr(self.engine, "shutdown", None)  # a replica pool: stop its processes
+        if shutdown is not None:
+            shutdown()
 
 
 class Metrics:
@@ -183,21 +187,27 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, snapshot)
 
 
-def build_app(model: Model, defaults: SamplingParams, config: ServeConfig, engine_thread: bool = True):
-    """The FastAPI application over one model; ``app.state.loop`` is its :class:`EngineLoop`,
-    started on its own thread with the app's lifespan when ``engine_thread`` (else the caller
-    runs ``app.state.loop.run()``)."""
+def engine_kwargs(config: ServeConfig, defaults: SamplingParams) -> dict:
+    """The :class:`Engine` keywords a server's configuration gives (also each replica's)."""
+    return {
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_queue": config.max_queue,
+        "max_model_len": config.max_model_len,
+        "block_length": defaults.block_length,
+    }
+
+
+def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_thread: bool = True):
+    """The FastAPI application over one model (a :class:`Model`: one engine in this process) or a
+    :class:`~dinfer_rt.replicas.ReplicaPool` (data-parallel replicas in worker processes, which
+    offers the engine's interface and the model's tokenizer / eos / mask ids). ``app.state.loop``
+    is its :class:`EngineLoop`, started on its own thread with the app's lifespan when
+    ``engine_thread`` (else the caller runs ``app.state.loop.run()``)."""
     fastapi, _, _ = _need_serve_extra()
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-    engine = Engine(
-        model,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_queue=config.max_queue,
-        max_model_len=config.max_model_len,
-        block_length=defaults.block_length,
-    )
+    engine = Engine(model, **engine_kwargs(config, defaults)) if isinstance(model, Model) else model
     metrics = Metrics()
     loop_holder = EngineLoop(engine, metrics)
     tok = model.tokenizer
@@ -342,7 +352,11 @@ def build_app(model: Model, defaults: SamplingParams, config: ServeConfig, engin
     async def health():
         if not loop_holder.alive or engine.closed:
             return JSONResponse({"status": "draining"}, status_code=503)
-        return {"status": "ok", "running": engine.num_running, "waiting": engine.num_waiting}
+        body = {"status": "ok", "running": engine.num_running, "waiting": engine.num_waiting}
+        if not isinstance(model, Model):  # replicas: requests routed to each, which are alive, their pids
+            rows = zip(engine.served, engine.alive, engine.pids)
+            body["replicas"] = [{"served": n, "alive": a, "pid": pid} for n, a, pid in rows]
+        return body
 
     @app.get("/metrics")
     async def prometheus():
@@ -372,7 +386,7 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def serve(model: Model, defaults: SamplingParams, config: ServeConfig) -> int:
+def serve(model, defaults: SamplingParams, config: ServeConfig) -> int:
     """Run the server until SIGTERM / Ctrl-C (or the test bounds); returns the exit status.
 
     The engine steps on this (the main) thread; uvicorn serves HTTP on another. SIGTERM / SIGINT

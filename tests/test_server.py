@@ -255,3 +255,50 @@ def test_sigterm_finishes_running_rows_then_exits_0(small_server):
     text += "".join(json.loads(x[6:])["choices"][0]["text"] for x in rest if x.startswith("data: {"))
     assert task.check("mnbvcxzlkj", text)
     assert small_server.proc.wait(timeout=30) == 0
+
+
+def _gone(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    return not status.exists() or "zombie" in status.read_text()
+
+
+def test_data_parallel_replicas_share_requests_survive_a_dead_replica_and_stop_with_the_server(offline):
+    """``serve --data-parallel-size 2``: two engine processes behind one front end. Concurrent
+    clients get their offline answers (streamed or not) and both replicas serve; a bad request is
+    still refused at once; a replica killed mid-run is reported and the other keeps answering;
+    the replicas end with the server."""
+    import os
+
+    s = Server("--data-parallel-size", "2", "--max-num-seqs", "4")
+    try:
+        items = task.heldout(8)
+        want = [o.text for o in offline.generate([it.letters for it in items], _params())]
+
+        def ask(i_item):
+            i, item = i_item
+            if i % 2:
+                stream = s.client.chat.completions.create(model=s.model, messages=_chat(item.letters), stream=True)
+                return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            reply = s.client.chat.completions.create(model=s.model, messages=_chat(item.letters))
+            return reply.choices[0].message.content
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(ask, enumerate(items))) == want
+        replicas = httpx.get(s.url + "/health").json()["replicas"]
+        assert [r["alive"] for r in replicas] == [True, True] and all(r["served"] >= 2 for r in replicas)
+        bad = httpx.post(f"{s.url}/v1/completions", json={"prompt": [1, 99]}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+        os.kill(replicas[1]["pid"], signal.SIGKILL)
+        deadline = time.time() + 30
+        while httpx.get(s.url + "/health").json()["replicas"][1]["alive"] and time.time() < deadline:
+            s.client.chat.completions.create(model=s.model, messages=_chat(items[0].letters))
+        assert not httpx.get(s.url + "/health").json()["replicas"][1]["alive"]
+        for item, text in zip(items[:3], want[:3]):
+            reply = s.client.chat.completions.create(model=s.model, messages=_chat(item.letters))
+            assert reply.choices[0].message.content == text  # the live replica answers
+    finally:
+        s.stop()
+    deadline = time.time() + 20
+    while not all(_gone(r["pid"]) for r in replicas) and time.time() < deadline:
+        time.sleep(0.2)
+    assert all(_gone(r["pid"]) for r in replicas)

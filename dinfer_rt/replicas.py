@@ -1,0 +1,287 @@
+"""Data-parallel serving: M engine replicas in worker processes behind one front end.
+
+Each replica process loads the model (on its own device: the replica index among the visible
+ones) and runs its own :class:`~dinfer_rt.engine.Engine`. The front end, in the HTTP server's
+process, checks every request as an engine would (so a bad request is still a 400 at once),
+routes it to the replica with the fewest requests in flight (ties: round robin) and mirrors
+the replica's events ("update", "finish") onto a local :class:`~dinfer_rt.engine.Request`,
+which the server streams from exactly as it does for a local engine. :class:`ReplicaPool`
+offers the part of the engine interface the server uses (``submit``, ``abort``, ``close``,
+``step``, the counts, ``stats``), so the server's loop steps it like an engine: a pool step
+waits briefly for replica events. A replica that dies fails its requests with a message naming
+it; the others keep serving. The replicas hold no weights in common and exchange nothing: each
+is one device's continuous-batching engine, as vLLM's data-parallel replicas are.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from dinfer_rt.engine import EngineClosed, EngineStats, QueueFull, Request, check_request, notify
+from dinfer_rt.errors import DinferError, GenerationError
+from dinfer_rt.sampling import SamplingParams
+
+_STAT_FIELDS = tuple(f.name for f in fields(EngineStats))
+
+
+class ReplicaError(DinferError):
+    """A replica failed to start or died: the message names it."""
+
+
+def replica_main(index: int, replicas: int, load: dict, engine_kwargs: dict, inbox, outbox) -> None:
+    """One replica process: load, report "ready", then apply commands and step the engine."""
+    from dinfer_rt.engine import Engine
+    from dinfer_rt.loader import load_model
+    from dinfer_rt.parallel import bind_device
+    from dinfer_rt.plugins import select_backend
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // replicas))
+    try:
+        bind_device(select_backend(load.get("backend")), index)
+        model = load_model(**load)
+        engine = Engine(model, **engine_kwargs)
+    except BaseException as e:  # the front end reports it, naming this replica
+        outbox.put(("failed", index, f"{type(e).__name__}: {e}"))
+        return
+    info = {"eos_ids": model.eos_ids, "mask_id": model.mask_id, "max_model_len": engine.max_model_len}
+    outbox.put(("ready", index, {**info, "block_size": engine.block_size, "pid": os.getpid()}))
+    parent = os.getppid()
+
+    def listener(req: Request, event: str) -> None:
+        msg = {"final_ids": list(req.final_ids), "canvas": None if req.canvas is None else list(req.canvas)}
+        if event == "finish":
+            err = None if req.error is None else f"{type(req.error).__name__}: {req.error}"
+            msg.update(reason=req.finish_reason, error=err, output_ids=req.output_ids, text=req.text)
+            msg["forwards"] = req.forwards
+        outbox.put(("event", index, req.id, event, msg))
+
+    while os.getppid() == parent:  # an orphaned replica (the front end was killed) exits
+        commands = []
+        try:
+            commands.append(inbox.get(timeout=0 if engine.has_work() else 0.05))
+        except queue.Empty:
+            pass
+        while True:
+            try:
+                commands.append(inbox.get_nowait())
+            except queue.Empty:
+                break
+        for cmd in commands:
+            if cmd[0] == "submit":
+                _, rid, prompt, params, max_tokens, canvas = cmd
+                try:
+                    engine.submit(
+                        prompt, params, max_tokens=max_tokens, request_id=rid, listener=listener, return_canvas=canvas
+                    )
+                except GenerationError as e:  # the front end checked it; refuse it as an error, not a hang
+                    err = f"{type(e).__name__}: {e}"
+                    outbox.put(("event", index, rid, "finish", {"final_ids": [], "reason": "error", "error": err}))
+            elif cmd[0] == "abort":
+                engine.abort(cmd[1])
+            elif cmd[0] == "close":
+                engine.close()
+            elif cmd[0] == "stop":
+                return
+        if engine.has_work():
+            engine.step()
+            stats = {k: getattr(engine.stats, k) for k in _STAT_FIELDS}
+            outbox.put(("step", index, {**stats, "running": engine.num_running, "waiting": engine.num_waiting}))
+
+
+class ReplicaPool:
+    """``replicas`` engine processes over the model ``load`` describes (``load_model`` keywords),
+    each an :class:`Engine` with ``engine_kwargs``; the front end admits at most ``max_num_seqs +
+    max_queue`` requests per replica (past it: ``QueueFull``)."""
+
+    def __init__(self, replicas: int, load: dict, engine_kwargs: dict, max_queue: int, timeout: float = 600.0):
+        import torch.multiprocessing as mp
+
+        from dinfer_rt.loader import default_model_path
+        from dinfer_rt.parallel import check_devices
+        from dinfer_rt.plugins import select_backend
+        from dinfer_rt.spec import parse_spec
+        from dinfer_rt.tokenizer import Tokenizer
+
+        if replicas < 1:
+            raise ReplicaError(f"data parallel size must be >= 1, got {replicas}")
+        path = Path(load.get("path") or default_model_path())
+        self.spec = parse_spec(path)  # a bad model folder fails here, before any process starts
+        check_devices(select_backend(load.get("backend")), replicas)
+        ctx = mp.get_context("spawn")
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(replicas)]
+        kwargs = {**engine_kwargs, "max_queue": None}  # the front end bounds the queue
+        self.procs = [
+            ctx.Process(
+                target=replica_main, args=(i, replicas, load, kwargs, self.inboxes[i], self.outbox), daemon=True
+            )
+            for i in range(replicas)
+        ]
+        for p in self.procs:
+            p.start()
+        ready: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout
+        while len(ready) < replicas:
+            try:
+                kind, index, value = self.outbox.get(timeout=0.5)
+            except queue.Empty:
+                dead = [(i, p.exitcode) for i, p in enumerate(self.procs) if i not in ready and p.exitcode is not None]
+                if dead or time.monotonic() > deadline:
+                    self.shutdown()
+                    which = dead[0][0] if dead else sorted(set(range(replicas)) - set(ready))
+                    why = f"died (exit code {dead[0][1]})" if dead else f"did not start within {timeout:.0f} s"
+                    raise ReplicaError(f"replica {which} {why}") from None
+                continue
+            if kind == "failed":
+                self.shutdown()
+                raise ReplicaError(f"replica {index} failed to load: {value}")
+            ready[index] = value
+        info = ready[0]
+        self.eos_ids, self.mask_id, self.max_model_len = info["eos_ids"], info["mask_id"], info["max_model_len"]
+        self.block_size = info["block_size"]
+        self.pids = [ready[i]["pid"] for i in range(replicas)]
+        self.tokenizer = Tokenizer(path, self.spec.vocab)
+        self.capacity = engine_kwargs.get("max_num_seqs", 16) + max_queue
+        self.replicas = replicas
+        self.inflight: dict[str, tuple[Request, int]] = {}
+        self.load = [0] * replicas  # requests in flight per replica
+        self.served = [0] * replicas  # requests routed to each replica so far
+        self.alive = [True] * replicas
+        self.closed = False
+        self.stats = EngineStats()
+        self._reported = [{k: 0 for k in (*_STAT_FIELDS, "running", "waiting")} for _ in range(replicas)]
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._turn = itertools.count()
+
+    # ---------------------------------------------------------------- the engine interface the server uses
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        max_tokens: int | None = None,
+        request_id: str | None = None,
+        listener=None,
+        return_canvas: bool = False,
+    ) -> Request:
+        max_tokens = check_request(
+            prompt, params, max_tokens, vocab=self.spec.vocab, max_model_len=self.max_model_len,
+            block_size=self.block_size, has_tokenizer=True,
+        )  # fmt: skip
+        with self._lock:
+            if self.closed:
+                raise EngineClosed("the server is shutting down and admits no new requests")
+            live = [i for i in range(self.replicas) if self.alive[i]]
+            if not live:
+                raise EngineClosed("every replica has died")
+            turn = next(self._turn)
+            i = min(live, key=lambda r: (self.load[r], (r - turn) % self.replicas))
+            if self.load[i] >= self.capacity:
+                raise QueueFull(f"every replica holds {self.capacity} requests (max_num_seqs + max_queue)")
+            req = Request(
+                request_id or f"req-{next(self._ids)}", list(prompt), params, max_tokens, listener, return_canvas
+            )
+            self.inflight[req.id] = (req, i)
+            self.load[i] += 1
+            self.served[i] += 1
+        self.inboxes[i].put(("submit", req.id, list(prompt), params, max_tokens, return_canvas))
+        return req
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            entry = self.inflight.get(request_id)
+        if entry is not None:
+            self.inboxes[entry[1]].put(("abort", request_id))
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+        for i, box in enumerate(self.inboxes):
+            if self.alive[i]:
+                box.put(("close",))
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(r["waiting"] for r in self._reported)
+
+    @property
+    def num_running(self) -> int:
+        return max(0, len(self.inflight) - self.num_waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.inflight)
+
+    def step(self) -> list[Request]:
+        """Apply the replicas' events (waiting up to 50 ms for the first); the finished requests."""
+        finished: list[Request] = []
+        try:
+            messages = [self.outbox.get(timeout=0.05)]
+        except queue.Empty:
+            messages = []
+        while True:
+            try:
+                messages.append(self.outbox.get_nowait())
+            except queue.Empty:
+                break
+        for msg in messages:
+            if msg[0] == "event":
+                self._on_event(*msg[1:], finished)
+            elif msg[0] == "step":
+                self._reported[msg[1]] = msg[2]
+                for k in _STAT_FIELDS:
+                    setattr(self.stats, k, sum(r[k] for r in self._reported))
+        self._check_alive(finished)
+        return finished
+
+    def shutdown(self) -> None:
+        """Stop every replica process (after ``close`` and the drain)."""
+        for box in self.inboxes:
+            box.put(("stop",))
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+
+    # ---------------------------------------------------------------- events
+    def _on_event(self, index: int, rid: str, event: str, msg: dict, finished: list[Request]) -> None:
+        entry = self.inflight.get(rid)
+        if entry is None:
+            return
+        req = entry[0]
+        req.final_ids, req.canvas = msg["final_ids"], msg.get("canvas")
+        req.status = "running"
+        if event == "finish":
+            req.output_ids, req.text = msg.get("output_ids", []), msg.get("text", "")
+            req.forwards = msg.get("forwards", 0)
+            error = msg.get("error")
+            self._finish(req, index, msg["reason"], None if error is None else GenerationError(error), finished)
+            return
+        notify(req, event)
+
+    def _finish(self, req: Request, index: int, reason: str, error, finished: list[Request]) -> None:
+        req.finish_reason, req.error, req.status, req.finished = reason, error, "finished", time.perf_counter()
+        with self._lock:
+            self.inflight.pop(req.id, None)
+            self.load[index] -= 1
+        finished.append(req)
+        notify(req, "finish")
+
+    def _check_alive(self, finished: list[Request]) -> None:
+        for i, p in enumerate(self.procs):
+            if self.alive[i] and p.exitcode is not None:
+                self.alive[i] = False
+                self._reported[i] = {**self._reported[i], "running": 0, "waiting": 0}
+                lost = [req for req, r in list(self.inflight.values()) if r == i]
+                for req in lost:
+                    err = ReplicaError(f"replica {i} died (exit code {p.exitcode}) while serving this request")
+                    self._finish(req, i, "error", err, finished)
