@@ -36,10 +36,11 @@ def lower(
 ) -> Graph:
     """Build and verify the forward graph of ``spec`` in compute dtype ``dtype``.
 
-    ``head="confidence"`` adds an input ``select`` i64[M] (indices into the T computed tokens)
-    and outputs ``confidence`` / ``token`` [B, M] (the ``score`` kind: max probability, margin or
-    negative entropy; and the argmax, ``mask_id`` banned) instead of ``logits``: the scheduler's
-    greedy rules need nothing else. ``per_row`` makes ``token_index`` [B, T]: every row computes
+    ``head="confidence"`` adds an input ``select`` i64[M] (indices into the T computed tokens;
+    the last layer after its attention runs on those rows only) and outputs ``confidence`` /
+    ``token`` [B, M] (the ``score`` kind: max probability, margin or negative entropy; and the
+    argmax, ``mask_id`` banned) instead of ``logits``: the scheduler's greedy rules need nothing
+    else. ``per_row`` makes ``token_index`` [B, T]: every row computes
     its own set of slots (rows at different blocks share one forward). ``weight_format``
     ("int8", "fp8", "gptq4") makes the decoder projections weight-only quantised linears over
     the parameters ``quant.quantized_names`` (or ``<name>@gptq4.<tensor>``) name (``dinfer_rt.quant``).
@@ -82,6 +83,7 @@ def lower(
 
     h = g.op("embedding", ids, P["embed"])
     scale = 1.0 / math.sqrt(spec.head_dim)
+    select = None
     for i in range(spec.n_layers):
         L = f"layers.{i}."
         n = g.op("rms_norm", h, P[L + "attn_norm"], eps=spec.eps)
@@ -105,7 +107,13 @@ def lower(
             g.output(f"v_cache.{i}", vc)
         else:
             a = g.op("attention", q, k, v, key_valid, tok, scale=scale, block_size=bs)
-        h = g.op("add", h, proj(g.op("merge_heads", a), L + "o"))
+        merged = g.op("merge_heads", a)
+        if head == "confidence" and i == spec.n_layers - 1:
+            # only the selected tokens' outputs are read: the rest of the last layer (O, the MLP or
+            # experts, the final norm, the head) is row-wise, so it runs on those rows alone
+            select = g.input("select", TensorType(("M",), torch.int64))
+            merged, h = g.op("index_tokens", merged, select), g.op("index_tokens", h, select)
+        h = g.op("add", h, proj(merged, L + "o"))
         m = g.op("rms_norm", h, P[L + "mlp_norm"], eps=spec.eps)
         if spec.is_moe_layer(i):
             y = _moe(g, spec, P, L, m, acc, proj)
@@ -114,7 +122,6 @@ def lower(
         h = g.op("add", h, y)
     h = g.op("rms_norm", h, P["final_norm"], eps=spec.eps)
     if head == "confidence":
-        h = g.op("index_tokens", h, g.input("select", TensorType(("M",), torch.int64)))
         conf, token = g.op("confidence", g.op("linear", h, P["lm_head"]), banned=mask_id, kind=score)
         g.output("confidence", conf)
         g.output("token", token)

@@ -211,4 +211,8 @@ def test_confidence_head_equals_the_logits_path(ckpt_dir, name, strategy, cache)
     fused = generate_batch(model, [[7, 8, 9], [10, 11]], SamplingParams(**kw))
     plain = generate_batch(model, [[7, 8, 9], [10, 11]], SamplingParams(confidence_head=False, **kw))
     assert torch.equal(fused.tokens, plain.tokens) and fused.nfe == plain.nfe
-    assert model.executable(cache != "none", 4, head="confidence").graph.op_counts().get("lm_head_confidence") == 1
+    graph = model.executable(cache != "none", 4, head="confidence").graph
+    assert graph.op_counts().get("lm_head_confidence") == 1
+    last = {f"layers.{model.spec.n_layers - 1}.{w}" for w in ("o", "down", "experts_down")}
+    tail = [n for n in graph.nodes if any(v is not None and v.kind == "param" and v.name in last for v in n.inputs)]
+    assert tail and all(n.outputs[0].type.shape[1] == "M" for n in tail)  # the last layer after attention: M rows
