@@ -12,8 +12,8 @@ parallelism** (each rank holds E/N whole experts and the MoE op computes only it
 contributions). Either way the router runs on every rank (replicated, so every rank routes
 identically) and one ``all_reduce`` sums the ranks' partial outputs; shared experts and dense
 layers are tensor-parallel. (All-reduce rather than an all-to-all dispatch: measured in
-``benchmarks/moe_dispatch_bench.py`` against ``dinfer_rt.moe_dispatch``; with every rank holding
-every token the all-to-all moves fewer bytes only past 2 x top-k ranks.) An untied LM head
+``benchmarks/moe_dispatch_bench.py`` against an all-to-all dispatch and combine; with every rank
+holding every token the all-to-all moves fewer bytes only past 2 x top-k ranks.) An untied LM head
 is **vocabulary-parallel**: each rank holds ceil(V/N) rows; the confidence head reduces each
 rank's logits to a few statistics and all-reduces them (``vocab_parallel_confidence``: the full
 logits are never gathered), and the logits head all-gathers the shards. Embedding and norms
