@@ -26,6 +26,8 @@ DINFER_TUNING_CACHE = "DINFER_TUNING_CACHE"
 """Folder of the autotuning cache; unset means ``~/.cache/dinfer_rt/tuning``."""
 DINFER_EXECUTOR = "DINFER_EXECUTOR"
 """``interpreted`` runs each graph step by step instead of as generated straight-line code (debugging)."""
+DINFER_CPU_NATIVE = "DINFER_CPU_NATIVE"
+"""``0``: the CPU backend runs only torch kernels (no native C kernels are compiled or loaded)."""
 DINFER_MODEL = "DINFER_MODEL"
 """Default model folder for the CLI and ``LLM()``; unset means the embedded model."""
 
@@ -41,6 +43,7 @@ ALL = (
     DINFER_GRAPHS,
     DINFER_TUNING_CACHE,
     DINFER_EXECUTOR,
+    DINFER_CPU_NATIVE,
     DINFER_MODEL,
 )
 

@@ -208,6 +208,7 @@ class _Forwarder:
             and params.cfg_scale == 0
         )
         self.nfe = 0
+        self._ranges: dict[tuple[int, int], torch.Tensor] = {}
         self.step_s: list[float] = []
         # Greedy threshold / top-k decisions run on the device when the backend has a commit kernel.
         rules = {"threshold": "threshold", "low_confidence": "top_k"}
@@ -224,6 +225,14 @@ class _Forwarder:
         self.device_rule = rules.get(params.strategy) if self.commit is not None else None
         if self.device_rule == "threshold":
             self.commit = functools.partial(self.commit, threshold=params.threshold)
+
+    def _range(self, lo: int, hi: int) -> torch.Tensor:
+        """arange(lo, hi), one tensor per window: the model's and the kernels' per-forward memos
+        keyed on it are then reused by every step of a block."""
+        key = (lo, hi)
+        if key not in self._ranges:
+            self._ranges[key] = torch.arange(lo, hi)
+        return self._ranges[key]
 
     def note_commits(self, commit: torch.Tensor) -> None:
         """The scheduler's commits of the step just run (the adaptive policy counts them)."""
@@ -261,7 +270,7 @@ class _Forwarder:
         if cached and self.refresh_next:  # K/V written by low-precision forwards: recompute them all
             lo, hi = 0, x.shape[1]
         self.refresh_next = False
-        compute = torch.arange(lo, hi) if cached else None
+        compute = self._range(lo, hi) if cached else None
         # Rows are run in slices of at most max_forward_tokens computed positions: a long refresh
         # of a big batch then holds a slice's activations, not the whole batch's (chunked prefill).
         per = max(1, self.params.max_forward_tokens // (hi - lo)) if self.params.max_forward_tokens else x.shape[0]

@@ -23,6 +23,14 @@ from dinfer_rt.spec import EOS_TOKENS, ModelSpec
 from dinfer_rt.tokenizer import Tokenizer
 
 
+def _check_compute(want: torch.Tensor, n: int) -> bool:
+    if len(want) > 1 and not bool((want[1:] > want[:-1]).all()):
+        raise GenerationError("compute must list positions in increasing order, each once")
+    if len(want) and not 0 <= int(want[0]) <= int(want[-1]) < n:
+        raise GenerationError(f"compute holds positions outside [0, {n})")
+    return True
+
+
 @dataclass
 class KVCache:
     """Per-layer K/V buffers [B, S, KV, D], indexed by sequence position."""
@@ -63,6 +71,7 @@ class Model:
         self.block_size = spec.default_block_size
         self._compiled: dict[tuple[bool, int | None, str, str, bool, str | None], Executable] = {}
         self.pass_counts: dict[str, int] = {}  # rewrites per pass in the last compiled graph
+        self._small: dict[tuple, object] = {}  # see _memo
 
     # ---------------------------------------------------------------- graphs
     def graph(self, cached: bool = False, block_size: int | None = None) -> Graph:
@@ -222,7 +231,10 @@ class Model:
         fused, never builds their [positions x vocab] probabilities."""
         inputs, run, want = self._inputs(input_ids, attention_mask, cache, compute)
         select = select.long()
-        if not torch.isin(select, want).all():
+        if len(select) and (
+            len(want) == 0
+            or not bool((want[torch.searchsorted(want, select).clamp_max(len(want) - 1)] == select).all())
+        ):
             raise GenerationError("confidence: every selected position must be computed")
         inputs["select"] = self._predicted_by(run, select).to(self.backend.device())
         out = self.executable(cache is not None, block_size, head="confidence", score=score, precision=precision)(
@@ -315,31 +327,42 @@ class Model:
         b, n = input_ids.shape
         if input_ids.dtype not in (torch.int64, torch.int32):
             raise GenerationError(f"input_ids must be an integer tensor (int64), got {input_ids.dtype}")
-        if (
-            input_ids.device.type == "cpu"
-            and n
-            and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < self.spec.vocab
-        ):
-            raise GenerationError(
-                f"input_ids hold ids outside [0, {self.spec.vocab}) (min {int(input_ids.min())}, "
-                f"max {int(input_ids.max())}): not in the model's vocabulary"
-            )
+        if input_ids.device.type == "cpu" and n:
+            low, high = (int(v) for v in torch.aminmax(input_ids))
+            if not 0 <= low <= high < self.spec.vocab:
+                raise GenerationError(
+                    f"input_ids hold ids outside [0, {self.spec.vocab}) (min {low}, max {high}): "
+                    "not in the model's vocabulary"
+                )
         if n > self.spec.max_length:
             raise GenerationError(f"sequence of {n} tokens exceeds the model's max length {self.spec.max_length}")
-        valid = torch.ones(b, n, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        want = torch.arange(n) if compute is None else compute.long()
-        if cache is None and compute is not None and len(want) != n:
+        if cache is None and compute is not None and len(compute) != n:
             raise GenerationError("computing a subset of positions needs a KV cache")
+        if compute is None:
+            want = self._memo(("arange", n), lambda: torch.arange(n))
+        else:
+            want = compute.long()
+            self._memo(("compute", id(want), want._version, n), lambda: (_check_compute(want, n), want))
         run = want
         if self.spec.shift_logits:  # position i is predicted by the logit at i-1
             run = torch.unique(torch.cat((want, (want - 1).clamp_min(0))))
-        pos = self.positions(attention_mask, (b, n))
         dev = self.backend.device()
+        if attention_mask is None:
+            valid = self._memo(("valid", b, n, dev), lambda: torch.ones(b, n, dtype=torch.bool, device=dev))
+        else:
+            valid = attention_mask.bool().to(dev)
+        if attention_mask is None or not self.spec.positions_from_padding:
+            # 0..N-1 in every row: the positions of `run` are `run` itself (memoised per run tensor,
+            # so the backends' per-forward memos keyed on it are reused while it comes back).
+            key = ("positions", b, id(run), run._version, dev)
+            pos = self._memo(key, lambda: (run[None].expand(b, -1).contiguous().to(dev), run))[0]
+        else:
+            pos = self.positions(attention_mask, (b, n))[:, run].contiguous().to(dev)
         inputs = {
-            "input_ids": input_ids[:, run].to(dev),
-            "positions": pos[:, run].contiguous().to(dev),
+            "input_ids": (input_ids if len(run) == n else input_ids[:, run]).to(dev),
+            "positions": pos,
             "token_index": run.to(dev),
-            "key_valid": valid.to(dev),
+            "key_valid": valid,
         }
         if cache is not None:
             if cache.length != n or cache.k[0].shape[0] != b:
@@ -349,5 +372,15 @@ class Model:
             for i in range(self.spec.n_layers):
                 inputs[f"k_cache.{i}"], inputs[f"v_cache.{i}"] = cache.k[i], cache.v[i]
         return inputs, run, want
+
+    def _memo(self, key: tuple, build):
+        """Small per-shape tensors every forward of a shape needs (aranges, all-valid masks),
+        built once: a step then pays no op for them. Bounded: cleared past 256 entries."""
+        value = self._small.get(key)
+        if value is None:
+            if len(self._small) > 256:
+                self._small.clear()
+            value = self._small[key] = build()
+        return value
 
     __call__ = forward

@@ -1,7 +1,8 @@
 """CPU reference backend: the reference implementations of the IR ops are its kernels.
 
 It defines the truth other backends are validated against; with ``dtype=float64`` it is
-the validation oracle.
+the validation oracle (always the torch kernels). In float32 a few ops whose cost on small
+models is dispatch, not arithmetic, run natively (``native.py``) when a C compiler is there.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from dinfer_rt.backend import Availability, Backend, Capabilities
 from dinfer_rt.backends.cpu import kernels as cpu_kernels
+from dinfer_rt.backends.cpu import native
 from dinfer_rt.executor import Kernel
 from dinfer_rt.ir import OPS
 
@@ -22,7 +24,8 @@ class CpuBackend(Backend):
     priority = 0
 
     def is_available(self) -> Availability:
-        return Availability(True, f"torch {torch.__version__} on the CPU, {torch.get_num_threads()} threads")
+        threads = f"torch {torch.__version__} on the CPU, {torch.get_num_threads()} threads"
+        return Availability(True, f"{threads}; native kernels {native.load().reason}")
 
     def validate_choice(self) -> str | None:
         """The cpu backend has one flavour (subclasses: their own class default)."""
@@ -39,13 +42,17 @@ class CpuBackend(Backend):
         kernels = {name: op.reference for name, op in OPS.items()}
         # The fused op whose point is memory: never build [positions x vocab] probabilities.
         kernels["lm_head_confidence"] = cpu_kernels.lm_head_confidence_chunked
-        # Same semantics, less work per forward (angles and mask once per forward, not per layer).
-        attn = cpu_kernels.AttentionKernels()  # one per compiled executable: its memos are its own
+        # Same semantics, less work per forward (angles and mask once per forward, not per layer;
+        # float32 norms and rotary + K/V writes in one native call each where native.c is built).
+        lib = native.load().lib
+        fast = native.NativeKernels(lib) if lib is not None else None
+        attn = cpu_kernels.AttentionKernels(fast)  # one per compiled executable: its memos are its own
+        norms = cpu_kernels.NativeNorms(fast) if fast is not None else cpu_kernels
         kernels |= {
             "attention": attn.attention,
             "rope_attention": attn.rope_attention,
-            "rms_norm": cpu_kernels.rms_norm,
-            "add_rms_norm": cpu_kernels.add_rms_norm,
+            "rms_norm": norms.rms_norm,
+            "add_rms_norm": norms.add_rms_norm,
             "linear_wq": cpu_kernels.linear_wq,
         }
         return kernels

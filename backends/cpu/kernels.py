@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dinfer_rt.backends.cpu.native import NativeKernels
 from dinfer_rt.ir.ops import OpTypeError, attention_mask, splice_kv
 
 
@@ -122,6 +123,7 @@ class RotaryTables:
     def __init__(self) -> None:
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._memo = _Memo()
+        self._whole = _Memo()
 
     def _table(self, key: tuple, need: int) -> tuple[torch.Tensor, torch.Tensor]:
         table = self._tables.get(key)
@@ -143,6 +145,18 @@ class RotaryTables:
             return cos[positions][:, :, None, :], sin[positions][:, :, None, :]
 
         return self._memo.get((positions,), (theta, rotary_dim, acc), build)
+
+    def tables(self, positions: torch.Tensor, rotary_dim: int, theta: float, acc: torch.dtype):
+        """The whole cos and signed sin tables [P, rotary_dim], P > every one of ``positions``:
+        what the native kernel indexes by position itself."""
+
+        def build():
+            need = int(positions.max()) + 1 if positions.numel() else 1
+            if positions.numel() and int(positions.min()) < 0:
+                raise OpTypeError("rope_attention: positions must be >= 0")
+            return self._table((theta, rotary_dim, acc, positions.device), need)
+
+        return self._whole.get((positions,), (theta, rotary_dim, acc), build)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
@@ -173,9 +187,11 @@ class AttentionKernels:
     :class:`RotaryTables`, and no mask at all when every key is valid and there is no block rule
     (SDPA's unmasked path is the fast one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, native: NativeKernels | None = None) -> None:
         self.rotary = RotaryTables()
         self._mask = _Memo()
+        self._slots = _Memo()
+        self.native = native  # rotary + K/V layout in one native call (float32), else torch ops
 
     def mask(self, key_valid, token_index, n_keys: int, cached: bool, block_size: int | None):
         """``ir.ops.attention_mask`` for this forward, or None where it would allow everything."""
@@ -229,12 +245,70 @@ class AttentionKernels:
         rotary_dim: int,
         eps: float,
     ):
+        if self.native is not None and q.dtype == torch.float32:
+            args = (q, k, v, key_valid, token_index, positions, q_norm, k_norm, k_cache, v_cache)
+            out = self._rope_attention_native(*args, scale, block_size, theta, rotary_dim, eps)
+            if out is not None:
+                return out
         if q_norm is not None:
             q, k = rms_norm(q, q_norm, eps=eps), rms_norm(k, k_norm, eps=eps)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         cos, sin = self.rotary.angles(positions, rotary_dim, theta, acc)
         q, k = rotate(q, cos, sin, rotary_dim), rotate(k, cos, sin, rotary_dim)
         return self.attention(q, k, v, key_valid, token_index, k_cache, v_cache, scale=scale, block_size=block_size)
+
+    def _rope_attention_native(
+        self, q, k, v, key_valid, token_index, positions, q_norm, k_norm, k_cache, v_cache,
+        scale, block_size, theta, rotary_dim, eps,
+    ):  # fmt: skip
+        """QK-norm, rotary and the K/V cache write in one native call, then SDPA; None when the
+        layout is not one the native kernel reads (the torch path runs instead)."""
+        b, t = q.shape[:2]
+        if tuple(positions.shape) != (b, t):
+            return None
+        cached = k_cache is not None
+        if cached:
+            if tuple(token_index.shape) not in ((t,), (b, t)):
+                return None
+            self._check_slots(token_index, k_cache.shape[1])
+        cos, sin = self.rotary.tables(positions, rotary_dim, theta, torch.float32)
+        done = self.native.rope_qkv(q, k, v, positions, cos, sin, q_norm, k_norm, eps, token_index, k_cache, v_cache)
+        if done is None:
+            return None
+        qh, kh, vh = done
+        if cached:
+            kh, vh = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+        mask = self.mask(key_valid, token_index, kh.shape[2], cached, block_size)
+        gqa = qh.shape[1] != kh.shape[1]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa).transpose(1, 2)
+        return (out, k_cache, v_cache) if cached else out
+
+    def _check_slots(self, token_index: torch.Tensor, slots: int) -> None:
+        """The cache slots a forward writes lie in [0, slots): checked once per forward (the
+        native write has no bounds check of its own)."""
+
+        def build():
+            if token_index.numel() and not 0 <= int(token_index.min()) <= int(token_index.max()) < slots:
+                raise IndexError(f"attention: token_index holds slots outside [0, {slots}) of the K/V cache")
+            return True
+
+        self._slots.get((token_index,), (slots,), build)
+
+
+class NativeNorms:
+    """``rms_norm`` / ``add_rms_norm`` through the native row kernels for float32, contiguous
+    inputs; the torch kernels above for anything else."""
+
+    def __init__(self, native: NativeKernels) -> None:
+        self.native = native
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
+        out = self.native.rms_norm(x, weight, eps)
+        return rms_norm(x, weight, eps=eps) if out is None else out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float):
+        out = self.native.add_rms_norm(x, residual, weight, eps)
+        return add_rms_norm(x, residual, weight, eps=eps) if out is None else out
 
 
 def linear_wq(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):

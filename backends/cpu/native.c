@@ -1,0 +1,110 @@
+/* dinfer-rt CPU backend: native kernels for the dispatch-bound regime.
+ *
+ * On a small model at batch 1 every torch op costs a few microseconds however small its
+ * tensor, so RMSNorm (about seven ops) or the rotary + K/V cache write of one layer (about
+ * fifteen) cost more than the matmuls between them. Each function here does one such group in
+ * one pass over float32 memory. Same formulas as the IR's reference semantics (ir/ops.py);
+ * only the rounding of the sums differs. Compiled and loaded by backends/cpu/native.py.
+ *
+ * Layout conventions: strides are in elements; the last (head / feature) dimension is always
+ * contiguous.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+int dinfer_native_abi(void) { return 1; }
+
+/* Sum of squares with eight independent partial sums (vectorisable without reassociation). */
+static float sum_squares(const float *x, int64_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += x[i + j] * x[i + j];
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++) s += x[i] * x[i];
+    return s;
+}
+
+static float inv_rms(const float *x, int64_t dim, float eps) {
+    return 1.0f / sqrtf(sum_squares(x, dim) / (float)dim + eps);
+}
+
+/* out = weight * (x * rsqrt(mean(x^2) + eps)), rows of `dim` contiguous values. */
+void dinfer_rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *o = out + r * dim;
+        float inv = inv_rms(xr, dim, eps);
+        for (int64_t d = 0; d < dim; d++) o[d] = weight[d] * (xr[d] * inv);
+    }
+}
+
+/* sum = x + residual; out = rms_norm(sum) * weight (the residual stream and the next norm). */
+void dinfer_add_rms_norm_f32(const float *x, const float *residual, const float *weight, float *out, float *sum,
+                             int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim, *rr = residual + r * dim;
+        float *s = sum + r * dim, *o = out + r * dim;
+        for (int64_t d = 0; d < dim; d++) s[d] = xr[d] + rr[d];
+        float inv = inv_rms(s, dim, eps);
+        for (int64_t d = 0; d < dim; d++) o[d] = weight[d] * (s[d] * inv);
+    }
+}
+
+/* One head row: optional per-head RMSNorm (norm != NULL), then the half-split rotation of the
+ * first `rot` dims with table rows c (cos) and s (signed sin, [-sin | sin]); dims past `rot`
+ * are copied. `tmp` holds D floats. */
+static void rope_row(const float *x, const float *norm, float eps, const float *c, const float *s, int64_t rot,
+                     int64_t D, float *tmp, float *o) {
+    if (norm != NULL) {
+        float inv = inv_rms(x, D, eps);
+        for (int64_t d = 0; d < D; d++) tmp[d] = norm[d] * (x[d] * inv);
+        x = tmp;
+    }
+    int64_t half = rot / 2;
+    for (int64_t i = 0; i < half; i++) o[i] = x[i] * c[i] + x[i + half] * s[i];
+    for (int64_t i = half; i < rot; i++) o[i] = x[i] * c[i] + x[i - half] * s[i];
+    for (int64_t i = rot; i < D; i++) o[i] = x[i];
+}
+
+/* The start of attention for one layer: QK-norm (optional), RoPE on q and k, and the K/V
+ * laid out for the attention core.
+ *
+ * q [B, T, H, D], k and v [B, T, KV, D] with strides (qb, qt, qh) etc.; positions [B, T] with
+ * strides (pb, pt) index rows of the [P, rot] tables cos_t / sin_t (the caller guarantees
+ * P > every position). q_out: [B, H, T, D] contiguous. Without slots, k_out / v_out are
+ * [B, KV, T, D] contiguous; with slots they are caches [B, S, KV, D] contiguous and row (b, t)
+ * goes to slot slots[b * sb + t] (sb = 0: one index for every row; the caller checks the
+ * slots lie in [0, S)). */
+void dinfer_rope_qkv_f32(const float *q, int64_t qb, int64_t qt, int64_t qh, const float *k, int64_t kb, int64_t kt,
+                         int64_t kh, const float *v, int64_t vb, int64_t vt, int64_t vh, const int64_t *pos,
+                         int64_t pb, int64_t pt, const float *cos_t, const float *sin_t, int64_t rot,
+                         const float *q_norm, const float *k_norm, float eps, int64_t B, int64_t T, int64_t H,
+                         int64_t KV, int64_t D, float *q_out, float *k_out, float *v_out, const int64_t *slots,
+                         int64_t sb, int64_t S) {
+    float tmp[D];
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t t = 0; t < T; t++) {
+            int64_t p = pos[b * pb + t * pt];
+            const float *c = cos_t + p * rot, *s = sin_t + p * rot;
+            for (int64_t h = 0; h < H; h++)
+                rope_row(q + b * qb + t * qt + h * qh, q_norm, eps, c, s, rot, D, tmp,
+                         q_out + ((b * H + h) * T + t) * D);
+            for (int64_t h = 0; h < KV; h++) {
+                float *ko, *vo;
+                if (slots == NULL) {
+                    ko = k_out + ((b * KV + h) * T + t) * D;
+                    vo = v_out + ((b * KV + h) * T + t) * D;
+                } else {
+                    int64_t slot = slots[b * sb + t];
+                    ko = k_out + ((b * S + slot) * KV + h) * D;
+                    vo = v_out + ((b * S + slot) * KV + h) * D;
+                }
+                rope_row(k + b * kb + t * kt + h * kh, k_norm, eps, c, s, rot, D, tmp, ko);
+                const float *vr = v + b * vb + t * vt + h * vh;
+                for (int64_t d = 0; d < D; d++) vo[d] = vr[d];
+            }
+        }
+    }
+}

@@ -1,0 +1,190 @@
+"""The CPU backend's native kernels: ``native.c``, compiled once per machine, called through ctypes.
+
+Why: on a small model at batch 1 a forward is dispatch-bound. Every torch op costs a few
+microseconds however small its tensor, so RMSNorm (about seven ops) or one layer's rotary and
+K/V cache write (about fifteen) cost more than the matmuls between them; each native function
+does one such group in one call. They take float32 CPU tensors; everything else goes to the
+torch kernels (``kernels.py``), and ``tests/test_cpu_native.py`` checks both against the
+float64 reference.
+
+The source is compiled with the system C compiler (``$CC``, else ``cc``; well under a second)
+into ``~/.cache/dinfer_rt/cpu-native/`` (``$XDG_CACHE_HOME`` respected), under a name that hashes
+the source, the flags, the compiler's version and this CPU's feature flags, so a cache copied to
+another machine is never loaded there. ``DINFER_CPU_NATIVE=0`` turns them off. Without a working
+compiler the CPU backend says why (``dinfer-rt backends``) and runs the torch kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dinfer_rt import envs
+
+SOURCE = Path(__file__).with_name("native.c")
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno")
+ABI = 1
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "dinfer_rms_norm_f32": [_P, _P, _P, _I, _I, _F],
+    "dinfer_add_rms_norm_f32": [_P, _P, _P, _P, _P, _I, _I, _F],
+    "dinfer_rope_qkv_f32": [_P, _I, _I, _I] * 3 + [_P, _I, _I, _P, _P, _I, _P, _P, _F] + [_I] * 5 + [_P] * 4 + [_I, _I],
+}
+
+
+@dataclass(frozen=True)
+class Native:
+    """The loaded library (``lib`` None when unavailable) and a one-line reason either way."""
+
+    lib: ctypes.CDLL | None
+    reason: str
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dinfer_rt" / "cpu-native"
+
+
+def _compiler() -> tuple[str | None, str]:
+    cc = os.environ.get("CC") or "cc"
+    path = shutil.which(cc)
+    if path is None:
+        return None, f"no C compiler ({cc!r} not found on PATH; set CC)"
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"C compiler {path} does not run: {e}"
+    return path, version.splitlines()[0] if version else path
+
+
+def _build(cc: str, version: str) -> tuple[Path | None, str]:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()]))
+    target = _cache_dir() / f"native-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target, f"cached {target.name}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        cmd = [cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as e:
+            return None, f"compiling {SOURCE.name} failed: {e}"
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            return None, f"compiling {SOURCE.name} with {cc} failed (exit {done.returncode}): {' | '.join(tail)}"
+        os.replace(out, target)  # atomic: a concurrent build of the same key is harmless
+    return target, f"built {target.name}"
+
+
+@functools.cache
+def load() -> Native:
+    """The native library, built on first use; never raises (the reason says what went wrong)."""
+    if (os.environ.get(envs.DINFER_CPU_NATIVE) or "1").strip().lower() in ("0", "false", "no", "off"):
+        return Native(None, f"off ({envs.DINFER_CPU_NATIVE}=0)")
+    cc, version = _compiler()
+    if cc is None:
+        return Native(None, version)
+    try:
+        path, how = _build(cc, version)
+    except OSError as e:
+        return Native(None, f"cannot write the build cache {_cache_dir()}: {e}")
+    if path is None:
+        return Native(None, how)
+    try:
+        lib = ctypes.CDLL(str(path))
+        if lib.dinfer_native_abi() != ABI:
+            return Native(None, f"{path} has ABI {lib.dinfer_native_abi()}, expected {ABI}")
+        for name, args in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, None
+    except (OSError, AttributeError) as e:
+        return Native(None, f"loading {path} failed: {e}")
+    return Native(lib, f"on ({version}, {how})")
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """float32, on the CPU, contiguous: what the row kernels read."""
+    return x.dtype == torch.float32 and x.is_cpu and x.is_contiguous()
+
+
+class NativeKernels:
+    """Python faces of the native functions, each returning None when its inputs are not the
+    float32 layout it handles (the caller then runs the torch kernel)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._rms = lib.dinfer_rms_norm_f32
+        self._add_rms = lib.dinfer_add_rms_norm_f32
+        self._rope = lib.dinfer_rope_qkv_f32
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        if not (_rows(x) and _rows(weight)) or weight.shape[0] != x.shape[-1]:
+            return None
+        out = torch.empty_like(x)
+        self._rms(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // max(x.shape[-1], 1), x.shape[-1], eps)
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        if not (_rows(x) and _rows(residual) and _rows(weight)) or x.shape != residual.shape:
+            return None
+        if weight.shape[0] != x.shape[-1]:
+            return None
+        out, total = torch.empty_like(x), torch.empty_like(x)
+        dim = x.shape[-1]
+        self._add_rms(
+            x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), total.data_ptr(),
+            x.numel() // max(dim, 1), dim, eps,
+        )  # fmt: skip
+        return out, total
+
+    def rope_qkv(self, q, k, v, positions, cos, sin, q_norm, k_norm, eps, slots, k_cache, v_cache):
+        """Rotated q [B, H, T, D] and the keys / values: written into the caches at ``slots`` (then
+        None, None is returned for them) or laid out [B, KV, T, D]. None when not handled."""
+        f32 = torch.float32
+        qs, ks, vs, ps = q.stride(), k.stride(), v.stride(), positions.stride()
+        if q.dtype != f32 or k.dtype != f32 or v.dtype != f32 or qs[3] != 1 or ks[3] != 1 or vs[3] != 1:
+            return None
+        if positions.dtype != torch.int64 or any(t is not None and not _rows(t) for t in (q_norm, k_norm)):
+            return None
+        b, t, h, d = q.shape
+        kv = k.shape[2]
+        q_out = torch.empty((b, h, t, d), dtype=f32)
+        if k_cache is None:
+            k_out, v_out = torch.empty((b, kv, t, d), dtype=f32), torch.empty((b, kv, t, d), dtype=f32)
+            slot_ptr, sb, s = None, 0, 0
+        else:
+            if not (_rows(k_cache) and _rows(v_cache)) or slots.dtype != torch.int64 or not slots.is_contiguous():
+                return None
+            k_out, v_out = k_cache, v_cache
+            slot_ptr, sb, s = slots.data_ptr(), (t if slots.dim() == 2 else 0), k_cache.shape[1]
+        self._rope(
+            q.data_ptr(), qs[0], qs[1], qs[2], k.data_ptr(), ks[0], ks[1], ks[2], v.data_ptr(), vs[0], vs[1], vs[2],
+            positions.data_ptr(), ps[0], ps[1], cos.data_ptr(), sin.data_ptr(), cos.shape[1],
+            None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(), eps,
+            b, t, h, kv, d, q_out.data_ptr(), k_out.data_ptr(), v_out.data_ptr(), slot_ptr, sb, s,
+        )  # fmt: skip
+        if k_cache is None:
+            return q_out, k_out, v_out
+        return q_out, None, None

@@ -1,0 +1,175 @@
+"""The CPU backend's native kernels (backends/cpu/native.c): the float64 reference, the torch
+kernels they replace, their bounds check, the fallbacks, and a model decoding the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dinfer_rt
+from dinfer_rt import envs
+from dinfer_rt.backends.cpu import native
+from dinfer_rt.backends.cpu.kernels import AttentionKernels, NativeNorms, add_rms_norm, rms_norm
+from dinfer_rt.generate import generate_batch
+from dinfer_rt.ir import ops
+from dinfer_rt.loader import EMBEDDED_MODEL
+from dinfer_rt.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def fast() -> native.NativeKernels:
+    loaded = native.load()
+    # This machine (and CI) has a C compiler: a missing build is a failure, never a skip.
+    assert loaded.lib is not None, loaded.reason
+    return native.NativeKernels(loaded.lib)
+
+
+@pytest.fixture
+def fresh_load(monkeypatch):
+    """native.load() re-run under the test's environment, and forgotten afterwards."""
+    native.load.cache_clear()
+    yield native.load
+    native.load.cache_clear()
+
+
+def _close(got: torch.Tensor, want64: torch.Tensor, tol: float = 2e-6) -> None:
+    err = (got.double() - want64).abs().max().item()
+    assert err <= tol * max(1.0, want64.abs().max().item()), err
+
+
+@pytest.mark.parametrize("dim", [192, 33, 8])
+def test_norms_match_float64_and_the_torch_kernels(fast, dim):
+    g = torch.Generator().manual_seed(dim)
+    x, r = torch.randn(3, 5, dim, generator=g), torch.randn(3, 5, dim, generator=g)
+    w = torch.rand(dim, generator=g) + 0.5
+    norms = NativeNorms(fast)
+    want = ops.rms_norm(x.double(), w.double(), eps=1e-5)
+    _close(norms.rms_norm(x, w, eps=1e-5), want)
+    torch.testing.assert_close(norms.rms_norm(x, w, eps=1e-5), rms_norm(x, w, eps=1e-5), rtol=1e-6, atol=1e-6)
+    out, total = norms.add_rms_norm(x, r, w, eps=1e-5)
+    want_out, want_total = ops.add_rms_norm(x.double(), r.double(), w.double(), eps=1e-5)
+    _close(out, want_out)
+    _close(total, want_total)
+    torch_out, _ = add_rms_norm(x, r, w, eps=1e-5)
+    torch.testing.assert_close(out, torch_out, rtol=1e-6, atol=1e-6)
+
+
+def test_norms_hand_other_layouts_to_torch(fast):
+    x = torch.randn(4, 6, dtype=torch.float64)
+    assert fast.rms_norm(x, torch.ones(6, dtype=torch.float64), 1e-5) is None  # float64: the oracle's path
+    strided = torch.randn(6, 4).t()
+    assert fast.rms_norm(strided, torch.ones(6), 1e-5) is None
+    norms = NativeNorms(fast)
+    _close(
+        norms.rms_norm(strided, torch.ones(6), eps=1e-5),
+        ops.rms_norm(strided.double(), torch.ones(6).double(), eps=1e-5),
+    )
+
+
+def _qkv(g, b, t, h, kv, d):
+    """q, k, v as the fused QKV projection leaves them: strided views of one [B, T, (H+2KV)D] tensor."""
+    fused = torch.randn(b, t, (h + 2 * kv) * d, generator=g)
+    q, k, v = fused.split([h * d, kv * d, kv * d], dim=-1)
+    return q.unflatten(-1, (h, d)), k.unflatten(-1, (kv, d)), v.unflatten(-1, (kv, d))
+
+
+CASES = {
+    # name: (B, T, H, KV, D, rotary_dim, qk_norm, cache rows S (None: no cache), per-row slots, padding)
+    "no-cache": (2, 5, 4, 4, 8, 8, False, None, False, False),
+    "no-cache-gqa-partial-rotary-padding": (2, 5, 4, 2, 16, 8, False, None, False, True),
+    "qk-norm": (1, 6, 2, 2, 8, 8, True, None, False, False),
+    "cache-shared-slots": (2, 3, 4, 2, 8, 8, False, 9, False, True),
+    "cache-per-row-slots": (2, 3, 4, 4, 8, 4, True, 9, True, False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_rope_attention_matches_float64_reference(fast, case):
+    b, t, h, kv, d, rot, qk_norm, s, per_row, padding = CASES[case]
+    g = torch.Generator().manual_seed(len(case))
+    q, k, v = _qkv(g, b, t, h, kv, d)
+    attrs = dict(scale=d**-0.5, block_size=None, theta=10000.0, rotary_dim=rot, eps=1e-6)
+    qn = kn = None
+    if qk_norm:
+        qn, kn = torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5
+    caches = (None, None)
+    if s is None:
+        slots = torch.arange(t)
+        positions = torch.randint(0, 40, (b, t), generator=g)
+        key_valid = torch.ones(b, t, dtype=torch.bool)
+    else:
+        caches = (torch.randn(b, s, kv, d, generator=g), torch.randn(b, s, kv, d, generator=g))
+        slots = (
+            torch.stack([torch.randperm(s, generator=g)[:t] for _ in range(b)]) if per_row else torch.tensor([6, 2, 4])
+        )
+        positions = slots if per_row else slots.expand(b, t).contiguous()
+        key_valid = torch.ones(b, s, dtype=torch.bool)
+    if padding:
+        key_valid[1, 0] = False
+    kern = AttentionKernels(fast)
+    ref_caches = tuple(None if c is None else c.double().clone() for c in caches)
+    got = kern.rope_attention(q, k, v, key_valid, slots, positions, qn, kn, *caches, **attrs)
+    d64 = [None if x is None else x.double() for x in (q, k, v, qn, kn)]
+    want = ops.rope_attention(*d64[:3], key_valid, slots, positions, *d64[3:], *ref_caches, **attrs)
+    if s is None:
+        _close(got, want)
+    else:
+        for got_i, want_i in zip(got, want):  # the output and both caches, written in place
+            _close(got_i, want_i)
+        assert got[1] is caches[0] and got[2] is caches[1]
+
+
+def test_rope_attention_rejects_slots_outside_the_cache(fast):
+    """The native write has no bounds check of its own: the kernel checks once per forward."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = _qkv(g, 1, 2, 2, 2, 8)
+    kc, vc = torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8)
+    attrs = dict(scale=0.3, block_size=None, theta=10000.0, rotary_dim=8, eps=1e-6)
+    kern = AttentionKernels(fast)
+    with pytest.raises(IndexError, match=r"token_index holds slots outside \[0, 4\)"):
+        kern.rope_attention(q, k, v, torch.ones(1, 4, dtype=torch.bool), torch.tensor([1, 4]),
+                            torch.tensor([[1, 4]]), None, None, kc, vc, **attrs)  # fmt: skip
+    assert not kc.any() and not vc.any()  # nothing was written
+
+
+def test_load_reports_why_it_is_off(monkeypatch, fresh_load, tmp_path):
+    monkeypatch.setenv(envs.DINFER_CPU_NATIVE, "0")
+    off = fresh_load()
+    assert off.lib is None and "DINFER_CPU_NATIVE=0" in off.reason
+    native.load.cache_clear()
+    monkeypatch.delenv(envs.DINFER_CPU_NATIVE)
+    monkeypatch.setenv("CC", "no-such-compiler-xyz")
+    missing = fresh_load()
+    assert missing.lib is None and "no-such-compiler-xyz" in missing.reason
+    native.load.cache_clear()
+    monkeypatch.delenv("CC")
+    broken = tmp_path / "native.c"
+    broken.write_text("this is not C;\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    failed = fresh_load()
+    assert failed.lib is None and "compiling native.c" in failed.reason and "failed" in failed.reason
+
+
+def test_backend_without_native_kernels_uses_torch_and_says_so(monkeypatch, fresh_load):
+    monkeypatch.setenv(envs.DINFER_CPU_NATIVE, "0")
+    model = dinfer_rt.load_model(EMBEDDED_MODEL)
+    assert "native kernels off" in model.backend.is_available().reason
+    kernels = model.backend.kernels()
+    assert kernels["rms_norm"] is rms_norm and kernels["add_rms_norm"] is add_rms_norm
+
+
+def test_embedded_model_decodes_the_same_tokens_with_and_without_native_kernels(monkeypatch, fresh_load, fast):
+    prompts = [[1, 5, 9, 12, 7, 3], [1, 8, 4, 6, 11, 10, 2, 13]]
+    on = dinfer_rt.load_model(EMBEDDED_MODEL)
+    assert isinstance(on.backend.kernels()["rms_norm"].__self__, NativeNorms)
+    monkeypatch.setenv(envs.DINFER_CPU_NATIVE, "0")
+    native.load.cache_clear()
+    off = dinfer_rt.load_model(EMBEDDED_MODEL)
+    ids = torch.tensor([prompts[0] + [on.mask_id] * 10])
+    torch.testing.assert_close(on.forward(ids), off.forward(ids), rtol=1e-4, atol=1e-4)
+    for cache in ("none", "dual", "adaptive"):
+        params = SamplingParams(gen_length=16, block_length=8, strategy="threshold", threshold=0.9, cache=cache)
+        a = generate_batch(on, prompts, params)
+        b = generate_batch(off, prompts, params)
+        assert torch.equal(a.tokens, b.tokens), cache
