@@ -74,21 +74,29 @@ def _qkv(g, b, t, h, kv, d):
 
 
 CASES = {
-    # name: (B, T, H, KV, D, rotary_dim, qk_norm, cache rows S (None: no cache), per-row slots, padding)
-    "no-cache": (2, 5, 4, 4, 8, 8, False, None, False, False),
-    "no-cache-gqa-partial-rotary-padding": (2, 5, 4, 2, 16, 8, False, None, False, True),
-    "qk-norm": (1, 6, 2, 2, 8, 8, True, None, False, False),
-    "cache-shared-slots": (2, 3, 4, 2, 8, 8, False, 9, False, True),
-    "cache-per-row-slots": (2, 3, 4, 4, 8, 4, True, 9, True, False),
+    # name: (B, T, H, KV, D, rotary_dim, qk_norm, cache rows S (None: no cache), per-row slots,
+    #        padding (1: one key of row 1, "row": every key of row 1), block size)
+    "no-cache": (2, 5, 4, 4, 8, 8, False, None, False, 0, None),
+    "no-cache-gqa-partial-rotary-padding": (2, 5, 4, 2, 16, 8, False, None, False, 1, None),
+    "qk-norm": (1, 6, 2, 2, 8, 8, True, None, False, 0, None),
+    "cache-shared-slots": (2, 3, 4, 2, 8, 8, False, 9, False, 1, None),
+    "cache-per-row-slots": (2, 3, 4, 4, 8, 4, True, 9, True, 0, None),
+    "cache-fully-padded-row": (2, 3, 4, 2, 8, 8, False, 9, False, "row", None),
+    "cache-block-causal": (2, 3, 4, 2, 8, 8, False, 9, False, 1, 4),
 }
 
 
+@pytest.mark.parametrize("core", ["native", "sdpa"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_rope_attention_matches_float64_reference(fast, case):
-    b, t, h, kv, d, rot, qk_norm, s, per_row, padding = CASES[case]
+def test_rope_attention_matches_float64_reference(fast, monkeypatch, case, core):
+    """Both native routes: the whole op in C (few scores), and C rotary + K/V writes then SDPA
+    (many scores, or a block-causal mask)."""
+    if core == "sdpa":
+        monkeypatch.setattr(native, "MAX_NATIVE_SCORES", 0)
+    b, t, h, kv, d, rot, qk_norm, s, per_row, padding, block = CASES[case]
     g = torch.Generator().manual_seed(len(case))
     q, k, v = _qkv(g, b, t, h, kv, d)
-    attrs = dict(scale=d**-0.5, block_size=None, theta=10000.0, rotary_dim=rot, eps=1e-6)
+    attrs = dict(scale=d**-0.5, block_size=block, theta=10000.0, rotary_dim=rot, eps=1e-6)
     qn = kn = None
     if qk_norm:
         qn, kn = torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5
@@ -104,11 +112,16 @@ def test_rope_attention_matches_float64_reference(fast, case):
         )
         positions = slots if per_row else slots.expand(b, t).contiguous()
         key_valid = torch.ones(b, s, dtype=torch.bool)
-    if padding:
+    if padding == 1:
         key_valid[1, 0] = False
+    elif padding == "row":
+        key_valid[1] = False  # a query that may see nothing sees everything (ir.ops.attention_mask)
     kern = AttentionKernels(fast)
+    whole, real = [], fast.rope_attention
+    monkeypatch.setattr(fast, "rope_attention", lambda *a: whole.append(r := real(*a)) or r)
     ref_caches = tuple(None if c is None else c.double().clone() for c in caches)
     got = kern.rope_attention(q, k, v, key_valid, slots, positions, qn, kn, *caches, **attrs)
+    assert any(r is not None for r in whole) == (core == "native" and block is None)  # the route tested
     d64 = [None if x is None else x.double() for x in (q, k, v, qn, kn)]
     want = ops.rope_attention(*d64[:3], key_valid, slots, positions, *d64[3:], *ref_caches, **attrs)
     if s is None:

@@ -261,8 +261,9 @@ class AttentionKernels:
         self, q, k, v, key_valid, token_index, positions, q_norm, k_norm, k_cache, v_cache,
         scale, block_size, theta, rotary_dim, eps,
     ):  # fmt: skip
-        """QK-norm, rotary and the K/V cache write in one native call, then SDPA; None when the
-        layout is not one the native kernel reads (the torch path runs instead)."""
+        """QK-norm, rotary, the K/V cache write and (for few tokens without a block rule) the
+        attention itself in one native call, else SDPA after it; None when the layout is not one
+        the native kernels read (the torch path runs instead)."""
         b, t = q.shape[:2]
         if tuple(positions.shape) != (b, t):
             return None
@@ -272,6 +273,12 @@ class AttentionKernels:
                 return None
             self._check_slots(token_index, k_cache.shape[1])
         cos, sin = self.rotary.tables(positions, rotary_dim, theta, torch.float32)
+        if block_size is None:  # few tokens: the whole op in one native call
+            out = self.native.rope_attention(
+                q, k, v, positions, cos, sin, q_norm, k_norm, eps, token_index, k_cache, v_cache, key_valid, scale
+            )
+            if out is not None:
+                return (out, k_cache, v_cache) if cached else out
         done = self.native.rope_qkv(q, k, v, positions, cos, sin, q_norm, k_norm, eps, token_index, k_cache, v_cache)
         if done is None:
             return None

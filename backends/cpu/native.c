@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-int dinfer_native_abi(void) { return 1; }
+int dinfer_native_abi(void) { return 2; }
 
 /* Sum of squares with eight independent partial sums (vectorisable without reassociation). */
 static float sum_squares(const float *x, int64_t n) {
@@ -23,6 +23,17 @@ static float sum_squares(const float *x, int64_t n) {
         for (int j = 0; j < 8; j++) acc[j] += x[i + j] * x[i + j];
     float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     for (; i < n; i++) s += x[i] * x[i];
+    return s;
+}
+
+/* Dot product with eight independent partial sums. */
+static float dot(const float *a, const float *b, int64_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
 
@@ -104,6 +115,64 @@ void dinfer_rope_qkv_f32(const float *q, int64_t qb, int64_t qt, int64_t qh, con
                 rope_row(k + b * kb + t * kt + h * kh, k_norm, eps, c, s, rot, D, tmp, ko);
                 const float *vr = v + b * vb + t * vt + h * vh;
                 for (int64_t d = 0; d < D; d++) vo[d] = vr[d];
+            }
+        }
+    }
+}
+
+/* The whole attention op for the few-token case: QK-norm (optional) and RoPE on q and k, the
+ * K/V rows written at their slots, then softmax(q k^T * scale) v over the valid keys.
+ *
+ * q, k, v, pos, cos_t, sin_t, rot, q_norm, k_norm, eps: as dinfer_rope_qkv_f32. keys / values
+ * [B, S, KV, D] contiguous: the caches (row (b, t) written at slots[b * sb + t]) or, with
+ * slots == NULL, this forward's own keys (S == T, row t at slot t). key_valid [B, S] (bytes,
+ * 0 = padding); a row with no valid key attends to every key (ir.ops.attention_mask). out:
+ * [B, T, H, D] contiguous. No block-causal rule (the caller uses SDPA for that). */
+void dinfer_rope_attention_f32(const float *q, int64_t qb, int64_t qt, int64_t qh, const float *k, int64_t kb,
+                               int64_t kt, int64_t kh, const float *v, int64_t vb, int64_t vt, int64_t vh,
+                               const int64_t *pos, int64_t pb, int64_t pt, const float *cos_t, const float *sin_t,
+                               int64_t rot, const float *q_norm, const float *k_norm, float eps, int64_t B, int64_t T,
+                               int64_t H, int64_t KV, int64_t D, float *keys, float *values, const int64_t *slots,
+                               int64_t sb, int64_t S, const uint8_t *key_valid, float scale, float *out) {
+    float tmp[D], qr[D], scores[S];
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++) {
+            int64_t p = pos[b * pb + t * pt];
+            int64_t slot = slots == NULL ? t : slots[b * sb + t];
+            for (int64_t h = 0; h < KV; h++) {
+                float *ko = keys + ((b * S + slot) * KV + h) * D, *vo = values + ((b * S + slot) * KV + h) * D;
+                rope_row(k + b * kb + t * kt + h * kh, k_norm, eps, cos_t + p * rot, sin_t + p * rot, rot, D, tmp, ko);
+                const float *vr = v + b * vb + t * vt + h * vh;
+                for (int64_t d = 0; d < D; d++) vo[d] = vr[d];
+            }
+        }
+    int64_t group = H / KV;
+    for (int64_t b = 0; b < B; b++) {
+        const uint8_t *valid = key_valid + b * S;
+        int any = 0;
+        for (int64_t j = 0; j < S; j++) any |= valid[j];
+        for (int64_t t = 0; t < T; t++) {
+            int64_t p = pos[b * pb + t * pt];
+            for (int64_t h = 0; h < H; h++) {
+                rope_row(q + b * qb + t * qt + h * qh, q_norm, eps, cos_t + p * rot, sin_t + p * rot, rot, D, tmp, qr);
+                const float *kbase = keys + (b * S * KV + h / group) * D, *vbase = values + (b * S * KV + h / group) * D;
+                float m = -INFINITY;
+                for (int64_t j = 0; j < S; j++) {
+                    if (any && !valid[j]) continue;
+                    scores[j] = dot(qr, kbase + j * KV * D, D) * scale;
+                    if (scores[j] > m) m = scores[j];
+                }
+                float *o = out + ((b * T + t) * H + h) * D, total = 0.0f;
+                for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+                for (int64_t j = 0; j < S; j++) {
+                    if (any && !valid[j]) continue;
+                    float e = expf(scores[j] - m);
+                    total += e;
+                    const float *vr = vbase + j * KV * D;
+                    for (int64_t d = 0; d < D; d++) o[d] += e * vr[d];
+                }
+                float inv = 1.0f / total;
+                for (int64_t d = 0; d < D; d++) o[d] *= inv;
             }
         }
     }
