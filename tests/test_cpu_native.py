@@ -186,3 +186,20 @@ def test_embedded_model_decodes_the_same_tokens_with_and_without_native_kernels(
         a = generate_batch(on, prompts, params)
         b = generate_batch(off, prompts, params)
         assert torch.equal(a.tokens, b.tokens), cache
+
+
+def test_native_attention_handles_a_sharp_softmax_and_long_key_rows(fast):
+    """Score spreads far past exp's float32 range (the kernel's -87 clamp) and key counts that
+    are not multiples of the vector width: still the float64 reference."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = _qkv(g, 1, 3, 2, 2, 16)
+    caches = (torch.randn(1, 37, 2, 16, generator=g), torch.randn(1, 37, 2, 16, generator=g))
+    slots, valid = torch.tensor([30, 3, 17]), torch.ones(1, 37, dtype=torch.bool)
+    attrs = dict(scale=40.0, block_size=None, theta=10000.0, rotary_dim=16, eps=1e-6)
+    ref_caches = tuple(c.double().clone() for c in caches)
+    out, _, _ = AttentionKernels(fast).rope_attention(q, k, v, valid, slots, slots[None], None, None, *caches, **attrs)
+    want = ops.rope_attention(
+        q.double(), k.double(), v.double(), valid, slots, slots[None], None, None, *ref_caches, **attrs
+    )[0]
+    assert torch.isfinite(out).all()
+    _close(out, want, tol=1e-5)

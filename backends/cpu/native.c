@@ -12,8 +12,10 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
-int dinfer_native_abi(void) { return 2; }
+int dinfer_native_abi(void) { return 3; }
 
 /* Sum of squares with eight independent partial sums (vectorisable without reassociation). */
 static float sum_squares(const float *x, int64_t n) {
@@ -23,17 +25,6 @@ static float sum_squares(const float *x, int64_t n) {
         for (int j = 0; j < 8; j++) acc[j] += x[i + j] * x[i + j];
     float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     for (; i < n; i++) s += x[i] * x[i];
-    return s;
-}
-
-/* Dot product with eight independent partial sums. */
-static float dot(const float *a, const float *b, int64_t n) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
-    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
 
@@ -120,21 +111,76 @@ void dinfer_rope_qkv_f32(const float *q, int64_t qb, int64_t qt, int64_t qh, con
     }
 }
 
-/* The whole attention op for the few-token case: QK-norm (optional) and RoPE on q and k, the
- * K/V rows written at their slots, then softmax(q k^T * scale) v over the valid keys.
+/* Sum and maximum with eight independent lanes (vectorisable without reassociation). */
+static float sum_of(const float *x, int64_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += x[i + j];
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++) s += x[i];
+    return s;
+}
+
+static float max_of(const float *x, int64_t n) {
+    float acc[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] = x[i + j] > acc[j] ? x[i + j] : acc[j];
+    float m = -INFINITY;
+    for (int j = 0; j < 8; j++) m = acc[j] > m ? acc[j] : m;
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* scores[j] = exp(scores[j] - m) for scores <= m (a softmax's numerators), vectorised: 2^n p(r)
+ * with n = round(x / ln 2), r = x - n ln 2 (in two parts) and the degree-7 polynomial of
+ * Cephes' expf (relative error ~1e-7, float32 rounding). x is clamped at -87 (exp ~ 1.6e-38,
+ * zero next to the largest term, 1); masked keys (-inf) land there too and are zeroed by the
+ * caller. Finite-math here only lets the clamp be a vector max (-inf still compares right). */
+__attribute__((optimize("no-trapping-math", "finite-math-only", "no-signed-zeros")))
+static void exp_shifted(float *scores, int64_t n, float m) {
+    for (int64_t j = 0; j < n; j++) {
+        float x = scores[j] - m;
+        x = x < -87.0f ? -87.0f : x;
+        int32_t ni = (int32_t)(x * 1.44269504088896341f - 0.5f); /* x <= 0: truncation rounds to nearest */
+        float nf = (float)ni;
+        float r = x - nf * 0.693359375f;
+        r = r + nf * 2.12194440e-4f;
+        float p = 1.9875691500e-4f;
+        p = p * r + 1.3981999507e-3f;
+        p = p * r + 8.3334519073e-3f;
+        p = p * r + 4.1665795894e-2f;
+        p = p * r + 1.6666665459e-1f;
+        p = p * r + 5.0000001201e-1f;
+        p = p * r * r + r + 1.0f;
+        int32_t bits = (ni + 127) << 23;
+        float scale;
+        memcpy(&scale, &bits, sizeof scale);
+        scores[j] = p * scale;
+    }
+}
+
+/* The whole attention op: QK-norm (optional) and RoPE on q and k, the K/V rows written at
+ * their slots, then softmax(q k^T * scale) v over the valid keys.
  *
  * q, k, v, pos, cos_t, sin_t, rot, q_norm, k_norm, eps: as dinfer_rope_qkv_f32. keys / values
  * [B, S, KV, D] contiguous: the caches (row (b, t) written at slots[b * sb + t]) or, with
  * slots == NULL, this forward's own keys (S == T, row t at slot t). key_valid [B, S] (bytes,
  * 0 = padding); a row with no valid key attends to every key (ir.ops.attention_mask). out:
- * [B, T, H, D] contiguous. No block-causal rule (the caller uses SDPA for that). */
-void dinfer_rope_attention_f32(const float *q, int64_t qb, int64_t qt, int64_t qh, const float *k, int64_t kb,
-                               int64_t kt, int64_t kh, const float *v, int64_t vb, int64_t vt, int64_t vh,
-                               const int64_t *pos, int64_t pb, int64_t pt, const float *cos_t, const float *sin_t,
-                               int64_t rot, const float *q_norm, const float *k_norm, float eps, int64_t B, int64_t T,
-                               int64_t H, int64_t KV, int64_t D, float *keys, float *values, const int64_t *slots,
-                               int64_t sb, int64_t S, const uint8_t *key_valid, float scale, float *out) {
-    float tmp[D], qr[D], scores[S];
+ * [B, T, H, D] contiguous. No block-causal rule (the caller uses SDPA for that). Per (row, kv
+ * head) the keys are transposed once to [D, S], so every score loop runs over keys, in
+ * vectors, without horizontal sums. Returns 0, or -1 when its scratch cannot be allocated. */
+int dinfer_rope_attention_f32(const float *q, int64_t qb, int64_t qt, int64_t qh, const float *k, int64_t kb,
+                              int64_t kt, int64_t kh, const float *v, int64_t vb, int64_t vt, int64_t vh,
+                              const int64_t *pos, int64_t pb, int64_t pt, const float *cos_t, const float *sin_t,
+                              int64_t rot, const float *q_norm, const float *k_norm, float eps, int64_t B, int64_t T,
+                              int64_t H, int64_t KV, int64_t D, float *keys, float *values, const int64_t *slots,
+                              int64_t sb, int64_t S, const uint8_t *key_valid, float scale, float *out) {
+    float tmp[D], qr[D];
+    float *keys_t = malloc(sizeof(float) * (size_t)(D * S + S));
+    if (keys_t == NULL) return -1;
+    float *scores = keys_t + D * S;
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++) {
             int64_t p = pos[b * pb + t * pt];
@@ -151,29 +197,39 @@ void dinfer_rope_attention_f32(const float *q, int64_t qb, int64_t qt, int64_t q
         const uint8_t *valid = key_valid + b * S;
         int any = 0;
         for (int64_t j = 0; j < S; j++) any |= valid[j];
-        for (int64_t t = 0; t < T; t++) {
-            int64_t p = pos[b * pb + t * pt];
-            for (int64_t h = 0; h < H; h++) {
-                rope_row(q + b * qb + t * qt + h * qh, q_norm, eps, cos_t + p * rot, sin_t + p * rot, rot, D, tmp, qr);
-                const float *kbase = keys + (b * S * KV + h / group) * D, *vbase = values + (b * S * KV + h / group) * D;
-                float m = -INFINITY;
-                for (int64_t j = 0; j < S; j++) {
-                    if (any && !valid[j]) continue;
-                    scores[j] = dot(qr, kbase + j * KV * D, D) * scale;
-                    if (scores[j] > m) m = scores[j];
+        for (int64_t g = 0; g < KV; g++) {
+            const float *kbase = keys + (b * S * KV + g) * D, *vbase = values + (b * S * KV + g) * D;
+            for (int64_t j = 0; j < S; j++)
+                for (int64_t d = 0; d < D; d++) keys_t[d * S + j] = kbase[j * KV * D + d];
+            for (int64_t t = 0; t < T; t++) {
+                int64_t p = pos[b * pb + t * pt];
+                for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                    rope_row(q + b * qb + t * qt + h * qh, q_norm, eps, cos_t + p * rot, sin_t + p * rot, rot, D, tmp,
+                             qr);
+                    for (int64_t j = 0; j < S; j++) scores[j] = 0.0f;
+                    for (int64_t d = 0; d < D; d++) {
+                        const float qd = qr[d] * scale, *row = keys_t + d * S;
+                        for (int64_t j = 0; j < S; j++) scores[j] += qd * row[j];
+                    }
+                    if (any)
+                        for (int64_t j = 0; j < S; j++) scores[j] = valid[j] ? scores[j] : -INFINITY;
+                    float m = max_of(scores, S);
+                    exp_shifted(scores, S, m);
+                    if (any)
+                        for (int64_t j = 0; j < S; j++) scores[j] = valid[j] ? scores[j] : 0.0f;
+                    float total = sum_of(scores, S);
+                    float *o = out + ((b * T + t) * H + h) * D;
+                    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+                    for (int64_t j = 0; j < S; j++) {
+                        const float e = scores[j], *vr = vbase + j * KV * D;
+                        for (int64_t d = 0; d < D; d++) o[d] += e * vr[d];
+                    }
+                    float inv = 1.0f / total;
+                    for (int64_t d = 0; d < D; d++) o[d] *= inv;
                 }
-                float *o = out + ((b * T + t) * H + h) * D, total = 0.0f;
-                for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-                for (int64_t j = 0; j < S; j++) {
-                    if (any && !valid[j]) continue;
-                    float e = expf(scores[j] - m);
-                    total += e;
-                    const float *vr = vbase + j * KV * D;
-                    for (int64_t d = 0; d < D; d++) o[d] += e * vr[d];
-                }
-                float inv = 1.0f / total;
-                for (int64_t d = 0; d < D; d++) o[d] *= inv;
             }
         }
     }
+    free(keys_t);
+    return 0;
 }

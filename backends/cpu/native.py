@@ -33,11 +33,12 @@ from dinfer_rt import envs
 
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno")
-ABI = 2
-# The native attention core is a plain one-thread loop: it wins where SDPA's fixed cost dominates
-# (a block of 8 over ~50 keys at batch 1 here: 74 vs 113 us) and loses past a few thousand
-# query x key scores (52 x 52 x 6 heads: 338 vs 229 us), where torch's SDPA takes over.
-MAX_NATIVE_SCORES = 4096
+ABI = 3
+# The native attention core runs on one thread: measured here against native rotary + torch's
+# SDPA in one process, it wins at batch 1 (a block of 8 over 52 keys: 139 vs 482 us; 52 x 52
+# without a cache: 404 vs 907 us, all with the machine loaded); above this many query x key
+# scores per call (a large batch) the threaded SDPA takes over.
+MAX_NATIVE_SCORES = 1 << 16
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -49,6 +50,7 @@ _SIGNATURES = {
     + [_I] * 5
     + [_P, _P, _P, _I, _I, _P, _F, _P],
 }
+_RETURNS = {"dinfer_rope_attention_f32": ctypes.c_int}
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ def load() -> Native:
             return Native(None, f"{path} has ABI {lib.dinfer_native_abi()}, expected {ABI}")
         for name, args in _SIGNATURES.items():
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, None
+            fn.argtypes, fn.restype = args, _RETURNS.get(name)
     except (OSError, AttributeError) as e:
         return Native(None, f"loading {path} failed: {e}")
     return Native(lib, f"on ({version}, {how})")
@@ -224,11 +226,13 @@ class NativeKernels:
             keys, values = k_cache, v_cache
             slot_ptr, sb = slots.data_ptr(), (t if slots.dim() == 2 else 0)
         out = torch.empty((b, t, h, d), dtype=f32)
-        self._attend(
+        failed = self._attend(
             q.data_ptr(), qs[0], qs[1], qs[2], k.data_ptr(), ks[0], ks[1], ks[2], v.data_ptr(), vs[0], vs[1], vs[2],
             positions.data_ptr(), ps[0], ps[1], cos.data_ptr(), sin.data_ptr(), cos.shape[1],
             None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(), eps,
             b, t, h, kv, d, keys.data_ptr(), values.data_ptr(), slot_ptr, sb, n, key_valid.data_ptr(), scale,
             out.data_ptr(),
         )  # fmt: skip
+        if failed:
+            raise MemoryError(f"native attention: no memory for its {d} x {n} key scratch")
         return out

@@ -13,6 +13,7 @@ import torch
 from dinfer_rt import envs
 from dinfer_rt.files import check_writable_dir, write_text_atomic
 from dinfer_rt.ir import Graph, IRError, Value
+from dinfer_rt.pages import page_out
 from dinfer_rt.passes import cleanup, fusion, reorder
 
 
@@ -49,6 +50,7 @@ class PassContext:
             for v, t in zip(values, parts):
                 self.weights[v.name] = merged[lo : lo + t.shape[0]]
                 lo += t.shape[0]
+            page_out(parts)  # the sources' memory-mapped pages are not read again: not resident twice
         return graph.param(name, fusion.concat_type(values))
 
 
