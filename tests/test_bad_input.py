@@ -211,3 +211,23 @@ def test_check_weights_can_be_skipped_for_trusted_checkpoints(llada):
         dinfer_rt.load_model(llada)
     model = dinfer_rt.load_model(llada, check_weights=False)
     assert torch.isnan(model.forward(torch.zeros(1, 3, dtype=torch.long))).all()
+
+
+@pytest.mark.parametrize(
+    "compute, message",
+    [
+        ([5, 3, 4], "increasing order"),
+        ([2, 2, 3], "increasing order"),
+        ([4, 9], r"outside \[0, 8\)"),
+    ],
+)
+def test_forward_rejects_compute_positions_it_would_mis_index(compute, message):
+    """Unsorted, repeated or out-of-range ``compute`` positions: a named error, not a silently
+    wrong selection (the logits are indexed by a sorted lookup)."""
+    from dinfer_rt.errors import GenerationError
+    from dinfer_rt.loader import EMBEDDED_MODEL
+
+    model = dinfer_rt.load_model(EMBEDDED_MODEL)
+    ids = torch.full((1, 8), model.mask_id)
+    with pytest.raises(GenerationError, match=message):
+        model.forward(ids, cache=model.new_cache(1, 8), compute=torch.tensor(compute))

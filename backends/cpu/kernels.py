@@ -6,6 +6,9 @@
   angles and the mask once per forward instead of once per layer (the reference's cost on small
   models: about a fifth of a forward of the embedded model). Same formulas, so the same values;
   the conformance suite checks each against the reference in float64;
+- with ``native.c`` built (``native.py``): float32 RMSNorm, add + RMSNorm and attention (QK-norm,
+  rotary, K/V cache write, at batch-1 sizes the whole op) in one native call each, where torch
+  needs 7 to 15 small ops; other dtypes and layouts take the torch kernels here;
 - the weight-only quantised linear with its per-channel scale applied to the output instead of
   the weight: one pass over [out, in] fewer (torch's ``_weight_int8pack_mm`` was measured 12x
   slower than this on the AVX2 CPU here, docs/quantization.md).
