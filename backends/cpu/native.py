@@ -34,10 +34,10 @@ from dinfer_rt import envs
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno")
 ABI = 3
-# The native attention core runs on one thread: measured here against native rotary + torch's
-# SDPA in one process, it wins at batch 1 (a block of 8 over 52 keys: 139 vs 482 us; 52 x 52
-# without a cache: 404 vs 907 us, all with the machine loaded); above this many query x key
-# scores per call (a large batch) the threaded SDPA takes over.
+# The native attention core runs on one thread. Against native rotary + torch's SDPA, whole
+# kernel calls in one process: a block of 8 over 52 cached keys 68 vs 127 us, 20 over 52 64 vs
+# 114 us, 52 x 52 without a cache 170 vs 179 us (6 heads of 32). Above this many query x key
+# scores per call (large batches) the threaded SDPA takes over.
 MAX_NATIVE_SCORES = 1 << 16
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
