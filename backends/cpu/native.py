@@ -36,9 +36,10 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-er
 ABI = 3
 # The native attention core runs on one thread. Against native rotary + torch's SDPA, whole
 # kernel calls in one process: a block of 8 over 52 cached keys 68 vs 127 us, 20 over 52 64 vs
-# 114 us, 52 x 52 without a cache 170 vs 179 us (6 heads of 32). Above this many query x key
-# scores per call (large batches) the threaded SDPA takes over.
-MAX_NATIVE_SCORES = 1 << 16
+# 114 us, 52 x 52 without a cache 170 vs 179 us (6 heads of 32); but on the 134M benchmark model
+# (12 heads of 64) a dual-cache step of 32 over 96 keys (36864 scores) was 129 vs 114 ms whole.
+# Above this many query x key scores per call the threaded SDPA takes over.
+MAX_NATIVE_SCORES = 1 << 14
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
