@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dinfer_rt import strategies
+from dinfer_rt import cache_policy, strategies
+from dinfer_rt.cache_policy import Spans
 from dinfer_rt.errors import GenerationError
 from dinfer_rt.generate import check_token_ids
 from dinfer_rt.ir import ops
@@ -104,7 +105,7 @@ class _Row:
         self.use_confidence = p.confidence_head and p.strategy in strategies.STATS_ONLY and p.temperature == 0
         self.score = strategies.SCORE_KIND.get(p.strategy, "max")
         self.nfe = 0
-        self.pending = 0  # adaptive cache: tokens committed since the last full refresh
+        self.pending = 0  # adaptive / anchored cache: tokens committed since the last full refresh
         self.prev_start: int | None = None  # block-causal cache: the previous block's start
         self.s = (self.p_len // self.lb) * self.lb if model.spec.block_causal else self.p_len
         self._start_block(model.mask_id)
@@ -130,42 +131,31 @@ class _Row:
             return True
         return False
 
-    def window(self, block_causal: bool) -> tuple[int, int]:
-        """Slots [lo, hi) this step computes under the row's cache policy (``_Forwarder._window``)."""
-        p, s, e, n = self.p, self.s, self.e, self.n
-        if p.cache == "none" or (p.cache == "vicinity" and self.nfe <= p.vicinity_warmup):
-            return 0, n
-        if block_causal:
-            if self.step == 0:
-                lo = 0 if self.prev_start is None else self.prev_start
-                self.prev_start = s
-                return lo, e
-            return s, e
-        if self.step == 0:
+    def window(self, block_causal: bool) -> Spans:
+        """Slots this step computes under the row's cache policy (``cache_policy.step_window``)."""
+        spans, restart = cache_policy.step_window(
+            self.p, s=self.s, e=self.e, n=self.n, prompt_len=self.p_len, step=self.step, forward=self.nfe,
+            pending=self.pending, block_causal=block_causal, prev_start=self.prev_start,
+        )  # fmt: skip
+        if block_causal and self.step == 0 and self.p.cache != "none":
+            self.prev_start = self.s
+        if restart:
             self.pending = 0
-            return 0, n
-        if p.cache == "adaptive":
-            if self.pending >= p.refresh_bound:
-                self.pending = 0
-                return 0, n
-            return (0 if p.refresh_window is None else max(0, s - p.refresh_window)), e
-        if p.cache == "prefix":
-            return s, n
-        if p.cache == "dual":
-            return s, e
-        return max(0, s - p.vicinity_before), min(n, e + p.vicinity_after)
+        return spans
 
     def queries(self, block_causal: bool, shift: bool) -> torch.Tensor:
         """This step's slots, in the order the forward takes them: first the slots whose outputs
         predict the block (the block itself; for Dream the slot before each), then the rest."""
         self.nfe += 1
-        lo, hi = self.window(block_causal)
+        spans = self.window(block_causal)
         if shift:  # position i is predicted by the output at i - 1
-            lo = max(0, lo - 1)
+            spans = tuple((max(0, lo - 1), hi) for lo, hi in spans)
             pred = torch.arange(self.s - 1, self.e - 1)
         else:
             pred = torch.arange(self.s, self.e)
-        rest = torch.arange(lo, hi)
+        rest = torch.cat([torch.arange(lo, hi) for lo, hi in spans])
+        if len(spans) > 1:  # Dream's shifted spans may overlap
+            rest = rest.unique()
         rest = rest[(rest < pred[0]) | (rest > pred[-1])]
         return torch.cat((pred, rest))
 

@@ -5,17 +5,8 @@ One loop serves every backend: the model is only asked for logits at chosen posi
 position's argmax and one score, for the fused confidence head (``Model.confidence``); the
 cache buffers live in the runtime and the attention op splices fresh K/V into them in place.
 
-Cache policies (``docs/decoding.md``):
-  none      every step recomputes the whole sequence
-  prefix    at block start a full forward fills the cache; later steps compute [s, N)
-  dual      at block start a full forward fills the cache; later steps compute [s, e)
-  vicinity  like dual, but later steps recompute a window [s - before, e + after), and the
-            first ``vicinity_warmup`` steps of a request are full forwards
-  adaptive  caches the masked suffix only: later steps compute the block and the
-            ``refresh_window`` positions before it (None: the whole prefix, prompt included), and
-            a step refreshes every position as soon as some row has committed ``refresh_bound``
-            tokens since the last refresh (0: every step, i.e. no-cache decoding). Staleness of
-            the cached positions is bounded by what was committed, not by time.
+Cache policies (none, prefix, dual, vicinity, adaptive, anchored): ``cache_policy.py`` says
+which positions each step computes; ``docs/decoding.md`` has their measured accuracy.
 On a bidirectional model the cached K/V outside the computed range go stale as tokens
 are committed (the approximation Fast-dLLM names); the benchmark measures its accuracy cost.
 
@@ -41,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dinfer_rt import strategies
+from dinfer_rt import cache_policy, strategies
+from dinfer_rt.cache_policy import Spans
 from dinfer_rt.errors import GenerationError
 from dinfer_rt.model import Model
 from dinfer_rt.precision import PrecisionSchedule
@@ -200,7 +192,7 @@ class _Forwarder:
         self.cache = model.new_cache(batch, n) if params.cache != "none" else None
         self.prev_start: int | None = None
         # adaptive cache: tokens each row committed since the last full refresh
-        self.pending = torch.zeros(batch, dtype=torch.long) if params.cache == "adaptive" else None
+        self.pending = torch.zeros(batch, dtype=torch.long) if params.cache in ("adaptive", "anchored") else None
         self.use_confidence = (
             params.confidence_head
             and params.strategy in strategies.STATS_ONLY
@@ -208,7 +200,7 @@ class _Forwarder:
             and params.cfg_scale == 0
         )
         self.nfe = 0
-        self._ranges: dict[tuple[int, int], torch.Tensor] = {}
+        self._windows: dict[tuple[Spans, int], tuple[torch.Tensor, int, int]] = {}
         self.step_s: list[float] = []
         # Greedy threshold / top-k decisions run on the device when the backend has a commit kernel.
         rules = {"threshold": "threshold", "low_confidence": "top_k"}
@@ -226,16 +218,18 @@ class _Forwarder:
         if self.device_rule == "threshold":
             self.commit = functools.partial(self.commit, threshold=params.threshold)
 
-    def _range(self, lo: int, hi: int) -> torch.Tensor:
-        """arange(lo, hi), one tensor per window: the model's and the kernels' per-forward memos
-        keyed on it are then reused by every step of a block."""
-        key = (lo, hi)
-        if key not in self._ranges:
-            self._ranges[key] = torch.arange(lo, hi)
-        return self._ranges[key]
+    def _positions(self, spans: Spans, s: int) -> tuple[torch.Tensor, int, int]:
+        """The spans' positions as one tensor (one per window: the model's and the kernels'
+        per-forward memos keyed on it are then reused by every step that computes it), their
+        count, and the index of the block start ``s`` among them."""
+        key = (spans, s)
+        if key not in self._windows:
+            at = torch.cat([torch.arange(lo, hi) for lo, hi in spans])
+            self._windows[key] = (at, len(at), cache_policy.offset_of(spans, s))
+        return self._windows[key]
 
     def note_commits(self, commit: torch.Tensor) -> None:
-        """The scheduler's commits of the step just run (the adaptive policy counts them)."""
+        """The scheduler's commits of the step just run (the adaptive and anchored policies count them)."""
         if self.pending is not None:
             self.pending += commit.sum(-1).cpu()
 
@@ -266,14 +260,15 @@ class _Forwarder:
         m = self.model
         if self.params.cfg_scale > 0:
             return self._guided(x, precision)[:, s:e]
-        lo, hi, cached = self._window(s, e, step, x.shape[1])
+        spans, cached = self._window(s, e, step, x.shape[1])
         if cached and self.refresh_next:  # K/V written by low-precision forwards: recompute them all
-            lo, hi = 0, x.shape[1]
+            spans = ((0, x.shape[1]),)
         self.refresh_next = False
-        compute = self._range(lo, hi) if cached else None
+        compute, width, offset = self._positions(spans, s)
+        compute = compute if cached else None
         # Rows are run in slices of at most max_forward_tokens computed positions: a long refresh
         # of a big batch then holds a slice's activations, not the whole batch's (chunked prefill).
-        per = max(1, self.params.max_forward_tokens // (hi - lo)) if self.params.max_forward_tokens else x.shape[0]
+        per = max(1, self.params.max_forward_tokens // width) if self.params.max_forward_tokens else x.shape[0]
         slices = [(r, min(r + per, x.shape[0])) for r in range(0, x.shape[0], per)]
 
         def rows(r0: int, r1: int):
@@ -289,7 +284,7 @@ class _Forwarder:
                 parts.append(
                     m.forward(xs, attn, cache=cache, compute=compute, block_size=self.block_size, precision=precision)
                 )
-            return (torch.cat(parts) if len(parts) > 1 else parts[0])[:, s - lo : e - lo]
+            return (torch.cat(parts) if len(parts) > 1 else parts[0])[:, offset : offset + e - s]
         # Confidence head: the LM head runs only where some row still has a mask (on the device
         # path, at every block slot: a fixed shape and no host sync to find them).
         if self.device_rule is not None:
@@ -320,37 +315,20 @@ class _Forwarder:
         x0[:, select - s], probs[:, select - s] = token.cpu(), conf.cpu()
         return x0, probs
 
-    def _window(self, s: int, e: int, step: int, n: int) -> tuple[int, int, bool]:
-        """Positions [lo, hi) this step computes, and whether it reads and writes the cache."""
-        p, m = self.params, self.model
+    def _window(self, s: int, e: int, step: int, n: int) -> tuple[Spans, bool]:
+        """Spans of positions this step computes, and whether it reads and writes the cache."""
         if self.cache is None:
-            return 0, n, False
-        if p.cache == "vicinity" and self.nfe <= p.vicinity_warmup:  # full forwards that fill the cache
-            return 0, n, True
-        if m.spec.block_causal:
-            # Earlier blocks never see later ones: K/V of finished blocks are final, except the previous
-            # block's, whose last forward still held masks. Refresh it together with the block's first step.
-            if step == 0:
-                lo = 0 if self.prev_start is None else self.prev_start
-                self.prev_start = s
-                return lo, e, True
-            return s, e, True
-        if step == 0:  # refresh: every position's K/V, and the block's first decode step
-            if self.pending is not None:
-                self.pending.zero_()
-            return 0, n, True
-        if p.cache == "adaptive":
-            if int(self.pending.max()) >= p.refresh_bound:  # the cache is as stale as we allow
-                self.pending.zero_()
-                return 0, n, True
-            # The prefix listens to the block (its K/V change with every commit); the masked
-            # suffix changes little until its own block comes: cache that.
-            return (0 if p.refresh_window is None else max(0, s - p.refresh_window)), e, True
-        if p.cache == "prefix":
-            return s, n, True
-        if p.cache == "dual":
-            return s, e, True
-        return max(0, s - p.vicinity_before), min(n, e + p.vicinity_after), True
+            return ((0, n),), False
+        pending = int(self.pending.max()) if self.pending is not None else 0
+        spans, restart = cache_policy.step_window(
+            self.params, s=s, e=e, n=n, prompt_len=self.p_len, step=step, forward=self.nfe,
+            pending=pending, block_causal=self.model.spec.block_causal, prev_start=self.prev_start,
+        )  # fmt: skip
+        if self.model.spec.block_causal and step == 0:
+            self.prev_start = s
+        if restart and self.pending is not None:
+            self.pending.zero_()
+        return spans, True
 
     def _guided(self, x: torch.Tensor, precision: str | None = None) -> torch.Tensor:
         """Classifier-free guidance: the unconditional row has its prompt masked (LLaDA ``generate``)."""

@@ -20,7 +20,7 @@ STRATEGIES = (
     "entropy",
 )
 MAX_STOP = 16
-CACHES = ("none", "prefix", "dual", "vicinity", "adaptive")
+CACHES = ("none", "prefix", "dual", "vicinity", "adaptive", "anchored")
 
 # field -> (type, lower bound, upper bound, lower bound exclusive); None: unbounded
 _FIELD_RULES: dict[str, tuple[type, float | None, float | None, bool]] = {
@@ -51,7 +51,7 @@ _FIELD_RULES: dict[str, tuple[type, float | None, float | None, bool]] = {
     "chat": (bool, None, None, False),
     "precision_refresh": (bool, None, None, False),
 }
-_OPTIONAL = {"steps", "refresh_window", "max_forward_tokens"}
+_OPTIONAL = {"steps", "refresh_bound", "refresh_window", "max_forward_tokens"}
 
 
 @dataclass
@@ -80,8 +80,11 @@ class SamplingParams:
     vicinity_before: int = 16
     vicinity_after: int = 16
     vicinity_warmup: int = 4
-    refresh_bound: int = 16  # adaptive cache: full refresh once a row committed this many tokens since the last
-    refresh_window: int | None = None  # adaptive cache: positions before the block recomputed each step (None: all)
+    # adaptive/anchored cache: full refresh once a row committed this many tokens since the last (None: adaptive
+    # 16, anchored never)
+    refresh_bound: int | None = None
+    # adaptive/anchored cache: positions before the block recomputed each step (None: adaptive all, anchored 0)
+    refresh_window: int | None = None
     confidence_head: bool = True  # greedy threshold-style rules use the model's fused confidence head
     early_stop: bool = True
     sync_every: int = 1  # check completion every k steps (loop unrolling; wasted forwards count in NFE)
@@ -137,6 +140,13 @@ class SamplingParams:
         if self.cfg_scale > 0 and self.cache != "none":
             raise bad(f"cfg_scale > 0 runs two rows per prompt and supports cache='none' only, not {self.cache!r}")
         return self
+
+    def refresh_limit(self) -> float:
+        """Commits since the last full refresh at which the adaptive / anchored caches refresh
+        every position (``refresh_bound``; by default 16 for adaptive, never for anchored)."""
+        if self.refresh_bound is not None:
+            return self.refresh_bound
+        return 16 if self.cache == "adaptive" else math.inf
 
     def steps_per_block(self) -> int:
         blocks = self.gen_length // self.block_length

@@ -54,6 +54,8 @@ CONFIGS = [
     dict(strategy="topk_margin", block_length=8, steps=20, confidence_head=False),
     dict(strategy="factor", block_length=8, factor=2.0, cache="dual"),
     dict(strategy="maskgit_plus", block_length=8, cache="adaptive", refresh_window=4),
+    dict(strategy="threshold", block_length=8, cache="anchored"),
+    dict(strategy="low_confidence", block_length=8, cache="anchored", refresh_bound=12, refresh_window=3),
 ]
 
 
@@ -76,7 +78,7 @@ def test_embedded_requests_equal_their_lone_generation(embedded):
 
 
 @pytest.mark.parametrize("name", ["dream", "llada_moe", "llada2"])
-@pytest.mark.parametrize("cache", ["none", "dual", "adaptive"])
+@pytest.mark.parametrize("cache", ["none", "dual", "adaptive", "anchored"])
 def test_other_families_equal_their_lone_generation(ckpt_dir, name, cache):
     llm = LLM(ckpt_dir(name), backend="cpu")
     g = torch.Generator().manual_seed(4)

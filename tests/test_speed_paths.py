@@ -153,28 +153,30 @@ def _decode(model, prompts, **kw):
     return generate_batch(model, prompts, params)
 
 
+@pytest.mark.parametrize("cache", ["adaptive", "anchored"])
 @pytest.mark.parametrize("name", ["llada", "dream", "llada_moe"])
-def test_adaptive_cache_with_bound_zero_is_no_cache_decoding(ckpt_dir, name):
+def test_refreshing_caches_with_bound_zero_are_no_cache_decoding(ckpt_dir, name, cache):
     model = dinfer_rt.load_model(ckpt_dir(name))
     prompts = [[7, 8, 9], [10, 11, 12, 13, 14]]
     plain = _decode(model, prompts)
-    adaptive = _decode(model, prompts, cache="adaptive", refresh_bound=0)
-    assert torch.equal(plain.tokens, adaptive.tokens)
-    assert plain.nfe == adaptive.nfe
+    cached = _decode(model, prompts, cache=cache, refresh_bound=0)
+    assert torch.equal(plain.tokens, cached.tokens)
+    assert plain.nfe == cached.nfe
 
 
-def test_adaptive_cache_bound_zero_equals_no_cache_on_the_embedded_task():
+@pytest.mark.parametrize("cache", ["adaptive", "anchored"])
+def test_refreshing_caches_bound_zero_equal_no_cache_on_the_embedded_task(cache):
     llm = dinfer_rt.LLM()
     items = [it.letters for it in task.heldout(24)]
     kw = dict(strategy="threshold", block_length=8, batch_size=24, early_stop=False)
     plain = llm.generate(items, SamplingParams(**kw))
-    adaptive = llm.generate(items, SamplingParams(cache="adaptive", refresh_bound=0, **kw))
-    assert [o.token_ids for o in plain] == [o.token_ids for o in adaptive]
+    cached = llm.generate(items, SamplingParams(cache=cache, refresh_bound=0, **kw))
+    assert [o.token_ids for o in plain] == [o.token_ids for o in cached]
 
 
-def test_adaptive_cache_keeps_the_embedded_task_where_dual_breaks_it():
-    """The prefix listens to the block: recomputing it each step keeps accuracy (measured 100%
-    on 200 items), the dual cache's stale prompt K/V do not (measured 1.5%)."""
+def test_adaptive_and_anchored_caches_keep_the_embedded_task_where_dual_breaks_it():
+    """The prompt listens to the block: recomputing it each step keeps accuracy (adaptive and
+    anchored measured 100% on 200 items), the dual cache's stale prompt K/V do not (1.5%)."""
     llm = dinfer_rt.LLM()
     items = task.heldout(40)
     kw = dict(strategy="threshold", block_length=8, batch_size=40, early_stop=False)
@@ -184,24 +186,26 @@ def test_adaptive_cache_keeps_the_embedded_task_where_dual_breaks_it():
         return sum(task.check(it.letters, o.text) for it, o in zip(items, outs)) / len(items)
 
     assert accuracy(cache="adaptive") >= 0.95
+    assert accuracy(cache="anchored") >= 0.95
     assert accuracy(cache="dual") <= 0.2
 
 
 @settings(max_examples=12, deadline=None)
 @given(
-    bound=st.integers(0, 10),
+    cache=st.sampled_from(["adaptive", "anchored"]),
+    bound=st.one_of(st.none(), st.integers(0, 10)),
     window=st.one_of(st.none(), st.integers(0, 6)),
     block=st.sampled_from([2, 4, 8]),
     threshold=st.floats(0.05, 0.99),
 )
-def test_adaptive_cache_keeps_the_scheduler_invariants(ckpt_dir, bound, window, block, threshold):
+def test_refreshing_caches_keep_the_scheduler_invariants(ckpt_dir, cache, bound, window, block, threshold):
     model = dinfer_rt.load_model(ckpt_dir("llada"))
     params = SamplingParams(
         gen_length=8,
         block_length=block,
         strategy="threshold",
         threshold=threshold,
-        cache="adaptive",
+        cache=cache,
         refresh_bound=bound,
         refresh_window=window,
         early_stop=False,
@@ -236,7 +240,7 @@ def test_cpu_confidence_head_paths_equal_the_reference(kind, chunk):
     assert torch.equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("cache", ["none", "dual", "adaptive"])
+@pytest.mark.parametrize("cache", ["none", "dual", "adaptive", "anchored"])
 @pytest.mark.parametrize("head", [True, False])
 def test_row_slices_of_a_big_forward_decode_like_one_forward(ckpt_dir, cache, head):
     """``max_forward_tokens`` runs a batch's forward in row slices (each writing its rows of the
