@@ -12,6 +12,7 @@ without its dual cache) at batch 1 and 50 on the same items in the same run. Wri
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -45,6 +46,10 @@ CONFIGS = [
     dict(strategy="threshold", cache="adaptive", block_length=8, threshold=0.7),
     dict(strategy="threshold", cache="adaptive", block_length=8, threshold=0.9, refresh_bound=4),
     dict(strategy="threshold", cache="adaptive", block_length=8, threshold=0.9, refresh_window=16),
+    dict(strategy="threshold", cache="anchored", block_length=8, threshold=0.9),
+    dict(strategy="threshold", cache="anchored", block_length=8, threshold=0.7),
+    dict(strategy="threshold", cache="anchored", block_length=8, threshold=0.9, refresh_bound=16),
+    dict(strategy="threshold", cache="anchored", block_length=8, threshold=0.9, refresh_window=8),
     dict(strategy="factor", cache="none", block_length=40, factor=1.0),
     dict(strategy="factor", cache="none", block_length=40, factor=2.0),
     dict(strategy="hierarchical", cache="none", block_length=40, threshold=0.9, low_threshold=0.6),
@@ -65,6 +70,8 @@ QUICK = [
     dict(strategy="threshold", cache="vicinity", block_length=8, threshold=0.9),
     dict(strategy="threshold", cache="adaptive", block_length=8, threshold=0.9),
     dict(strategy="threshold", cache="adaptive", block_length=8, threshold=0.7),
+    dict(strategy="threshold", cache="anchored", block_length=8, threshold=0.9),
+    dict(strategy="threshold", cache="anchored", block_length=8, threshold=0.7),
     dict(strategy="factor", cache="none", block_length=40, factor=1.0),
     dict(strategy="credit", cache="none", block_length=40, threshold=0.9),
 ]
@@ -79,6 +86,7 @@ BATCH1 = [
     dict(strategy="threshold", cache="vicinity", block_length=8, threshold=0.9),
     dict(strategy="threshold", cache="adaptive", block_length=8, threshold=0.9),
     dict(strategy="threshold", cache="adaptive", block_length=8, threshold=0.7),
+    dict(strategy="threshold", cache="anchored", block_length=8, threshold=0.9),
 ]
 
 
@@ -145,15 +153,15 @@ def targets(rows: list[dict]) -> list[str]:
                 f"| b{b}, dinfer-rt batch {batch} vs baseline (no cache, thr 0.9) batch 1: >= {want:.0f}x "
                 f"| {ratio:.2f}x ({top['config']}, acc {top['accuracy']:.3f}) | {'yes' if ratio >= want else 'no'} |"
             )
-    for batch in (1, 50):
+    for policy, batch in itertools.product(("adaptive", "anchored"), (1, 50)):
         plain = find(system="dinfer-rt", config="threshold/none/b8 (threshold=0.9)", batch=batch)
-        cached = find(system="dinfer-rt", config="threshold/adaptive/b8 (threshold=0.9)", batch=batch)
+        cached = find(system="dinfer-rt", config=f"threshold/{policy}/b8 (threshold=0.9)", batch=batch)
         if plain and cached:
             p, c = plain[0], cached[0]
             ratio, drop = c["tokens_per_s"] / p["tokens_per_s"], p["accuracy"] - c["accuracy"]
             met = ratio >= 1.5 and drop <= 0.01
             out.append(
-                f"| adaptive cache vs no cache (thr 0.9, b8), batch {batch}: within 1 point at >= 1.5x "
+                f"| {policy} cache vs no cache (thr 0.9, b8), batch {batch}: within 1 point at >= 1.5x "
                 f"| {ratio:.2f}x, accuracy {c['accuracy']:.3f} vs {p['accuracy']:.3f} | {'yes' if met else 'no'} |"
             )
     return out
