@@ -9,7 +9,7 @@ import torch
 import dinfer_rt
 from dinfer_rt import envs
 from dinfer_rt.backends.cpu import native
-from dinfer_rt.backends.cpu.kernels import AttentionKernels, NativeNorms, add_rms_norm, rms_norm
+from dinfer_rt.backends.cpu.kernels import AttentionKernels, NativeRowKernels, add_rms_norm, rms_norm
 from dinfer_rt.generate import generate_batch
 from dinfer_rt.ir import ops
 from dinfer_rt.loader import EMBEDDED_MODEL
@@ -42,7 +42,7 @@ def test_norms_match_float64_and_the_torch_kernels(fast, dim):
     g = torch.Generator().manual_seed(dim)
     x, r = torch.randn(3, 5, dim, generator=g), torch.randn(3, 5, dim, generator=g)
     w = torch.rand(dim, generator=g) + 0.5
-    norms = NativeNorms(fast)
+    norms = NativeRowKernels(fast)
     want = ops.rms_norm(x.double(), w.double(), eps=1e-5)
     _close(norms.rms_norm(x, w, eps=1e-5), want)
     torch.testing.assert_close(norms.rms_norm(x, w, eps=1e-5), rms_norm(x, w, eps=1e-5), rtol=1e-6, atol=1e-6)
@@ -54,12 +54,24 @@ def test_norms_match_float64_and_the_torch_kernels(fast, dim):
     torch.testing.assert_close(out, torch_out, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 300])  # 300 x 96: above PARALLEL_MIN_ELEMENTS, split over threads
+def test_swiglu_matches_float64_and_torch_without_overflow(fast, rows):
+    g = torch.Generator().manual_seed(rows)
+    h = torch.randn(rows, 2 * 96, generator=g) * 4
+    h[0, :4] = torch.tensor([-100.0, 100.0, -1e-30, 0.0])  # exp(-|x|) underflows to 0, never overflows
+    got = NativeRowKernels(fast).swiglu(h)
+    _close(got, ops.swiglu(h.double()))
+    torch.testing.assert_close(got, ops.swiglu(h), rtol=1e-6, atol=1e-6)
+    assert NativeRowKernels(fast).swiglu(h.double()).dtype == torch.float64  # other dtypes: the torch kernel
+    assert fast.swiglu(h[:, :-1].contiguous()) is None  # an odd last dim is not [gate | up]
+
+
 def test_norms_hand_other_layouts_to_torch(fast):
     x = torch.randn(4, 6, dtype=torch.float64)
     assert fast.rms_norm(x, torch.ones(6, dtype=torch.float64), 1e-5) is None  # float64: the oracle's path
     strided = torch.randn(6, 4).t()
     assert fast.rms_norm(strided, torch.ones(6), 1e-5) is None
-    norms = NativeNorms(fast)
+    norms = NativeRowKernels(fast)
     _close(
         norms.rms_norm(strided, torch.ones(6), eps=1e-5),
         ops.rms_norm(strided.double(), torch.ones(6).double(), eps=1e-5),
@@ -83,6 +95,9 @@ CASES = {
     "cache-per-row-slots": (2, 3, 4, 4, 8, 4, True, 9, True, 0, None),
     "cache-fully-padded-row": (2, 3, 4, 2, 8, 8, False, 9, False, "row", None),
     "cache-block-causal": (2, 3, 4, 2, 8, 8, False, 9, False, 1, 4),
+    # above PARALLEL_MIN_WORK multiply-adds: the (row, kv head) pairs split over OpenMP threads
+    "threaded-no-cache-gqa": (3, 40, 4, 2, 16, 16, False, None, False, 1, None),
+    "threaded-cache-per-row-slots": (3, 7, 4, 4, 16, 8, True, 100, True, "row", None),
 }
 
 
@@ -175,7 +190,7 @@ def test_backend_without_native_kernels_uses_torch_and_says_so(monkeypatch, fres
 def test_embedded_model_decodes_the_same_tokens_with_and_without_native_kernels(monkeypatch, fresh_load, fast):
     prompts = [[1, 5, 9, 12, 7, 3], [1, 8, 4, 6, 11, 10, 2, 13]]
     on = dinfer_rt.load_model(EMBEDDED_MODEL)
-    assert isinstance(on.backend.kernels()["rms_norm"].__self__, NativeNorms)
+    assert isinstance(on.backend.kernels()["rms_norm"].__self__, NativeRowKernels)
     monkeypatch.setenv(envs.DINFER_CPU_NATIVE, "0")
     native.load.cache_clear()
     off = dinfer_rt.load_model(EMBEDDED_MODEL)

@@ -221,7 +221,7 @@ def test_refreshing_caches_keep_the_scheduler_invariants(ckpt_dir, cache, bound,
 
 def test_backend_kernel_table_names_the_cpu_fast_kernels():
     table = plugins.select_backend("cpu").kernel_table()
-    for op in ("attention", "rope_attention", "rms_norm", "add_rms_norm"):
+    for op in ("attention", "rope_attention", "rms_norm", "add_rms_norm", "swiglu"):
         kernel, source = table[op]
         assert source == "native" and kernel is not ops.OPS[op].reference, op
 

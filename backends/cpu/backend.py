@@ -43,16 +43,18 @@ class CpuBackend(Backend):
         # The fused op whose point is memory: never build [positions x vocab] probabilities.
         kernels["lm_head_confidence"] = cpu_kernels.lm_head_confidence_chunked
         # Same semantics, less work per forward (angles and mask once per forward, not per layer;
-        # float32 norms and rotary + K/V writes in one native call each where native.c is built).
+        # float32 norms, SwiGLU and rotary + K/V writes in one native call each where native.c is built).
         lib = native.load().lib
         fast = native.NativeKernels(lib) if lib is not None else None
         attn = cpu_kernels.AttentionKernels(fast)  # one per compiled executable: its memos are its own
-        norms = cpu_kernels.NativeNorms(fast) if fast is not None else cpu_kernels
         kernels |= {
             "attention": attn.attention,
             "rope_attention": attn.rope_attention,
-            "rms_norm": norms.rms_norm,
-            "add_rms_norm": norms.add_rms_norm,
+            "rms_norm": cpu_kernels.rms_norm,
+            "add_rms_norm": cpu_kernels.add_rms_norm,
             "linear_wq": cpu_kernels.linear_wq,
         }
+        if fast is not None:
+            rows = cpu_kernels.NativeRowKernels(fast)
+            kernels |= {"rms_norm": rows.rms_norm, "add_rms_norm": rows.add_rms_norm, "swiglu": rows.swiglu}
         return kernels

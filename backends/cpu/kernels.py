@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from dinfer_rt.backends.cpu.native import NativeKernels
 from dinfer_rt.ir.ops import OpTypeError, attention_mask, splice_kv
+from dinfer_rt.ir.ops import swiglu as swiglu_reference
 
 
 def lm_head_confidence_chunked(
@@ -305,9 +306,9 @@ class AttentionKernels:
         self._slots.get((token_index,), (slots,), build)
 
 
-class NativeNorms:
-    """``rms_norm`` / ``add_rms_norm`` through the native row kernels for float32, contiguous
-    inputs; the torch kernels above for anything else."""
+class NativeRowKernels:
+    """``rms_norm`` / ``add_rms_norm`` / ``swiglu`` through the native row kernels for float32,
+    contiguous inputs; the torch kernels for anything else."""
 
     def __init__(self, native: NativeKernels) -> None:
         self.native = native
@@ -319,6 +320,10 @@ class NativeNorms:
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float):
         out = self.native.add_rms_norm(x, residual, weight, eps)
         return add_rms_norm(x, residual, weight, eps=eps) if out is None else out
+
+    def swiglu(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.native.swiglu(h)
+        return swiglu_reference(h) if out is None else out
 
 
 def linear_wq(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):

@@ -15,7 +15,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-int dinfer_native_abi(void) { return 3; }
+int dinfer_native_abi(void) { return 4; }
+
+/* Below this much work a kernel stays on the calling thread (an OpenMP fork costs about a
+ * microsecond on torch's already-spinning pool): multiply-adds for attention, elements for the
+ * row kernels. */
+#define PARALLEL_MIN_WORK (1 << 16)
+#define PARALLEL_MIN_ELEMENTS (1 << 14)
 
 /* Sum of squares with eight independent partial sums (vectorisable without reassociation). */
 static float sum_squares(const float *x, int64_t n) {
@@ -34,6 +40,7 @@ static float inv_rms(const float *x, int64_t dim, float eps) {
 
 /* out = weight * (x * rsqrt(mean(x^2) + eps)), rows of `dim` contiguous values. */
 void dinfer_rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows > 1 && rows * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim;
         float *o = out + r * dim;
@@ -45,6 +52,7 @@ void dinfer_rms_norm_f32(const float *x, const float *weight, float *out, int64_
 /* sum = x + residual; out = rms_norm(sum) * weight (the residual stream and the next norm). */
 void dinfer_add_rms_norm_f32(const float *x, const float *residual, const float *weight, float *out, float *sum,
                              int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows > 1 && rows * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim, *rr = residual + r * dim;
         float *s = sum + r * dim, *o = out + r * dim;
@@ -197,31 +205,81 @@ static void weighted_sum(const float *w, const float *values, int64_t stride, in
     }
 }
 
-/* scores[j] = exp(scores[j] - m) for scores <= m (a softmax's numerators), vectorised: 2^n p(r)
- * with n = round(x / ln 2), r = x - n ln 2 (in two parts) and the degree-7 polynomial of
- * Cephes' expf (relative error ~1e-7, float32 rounding). x is clamped at -87 (exp ~ 1.6e-38,
- * zero next to the largest term, 1); masked keys (-inf) land there too and are zeroed by the
- * caller. Finite-math here only lets the clamp be a vector max (-inf still compares right). */
-__attribute__((optimize("no-trapping-math", "finite-math-only", "no-signed-zeros")))
+/* exp(x) for x <= 0: 2^n p(r) with n = round(x / ln 2), r = x - n ln 2 (in two parts) and the
+ * degree-7 polynomial of Cephes' expf (relative error ~1e-7, float32 rounding). x is clamped at
+ * -87 (exp ~ 1.6e-38); -inf and NaN land there too. Written on eight lanes with the vector
+ * extensions (GCC does not vectorise the scalar form without -ffinite-math-only), and as the
+ * scalar form for loop tails. */
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f select8(v8i mask, v8f yes, v8f no) { return (v8f)((mask & (v8i)yes) | (~mask & (v8i)no)); }
+
+static inline v8f exp8_nonpositive(v8f x) {
+    const v8f lowest = (v8f){0} - 87.0f;
+    x = select8(x > lowest, x, lowest);
+    v8i ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i); /* x <= 0: truncation rounds */
+    v8f nf = __builtin_convertvector(ni, v8f);
+    v8f r = x - nf * 0.693359375f;
+    r = r + nf * 2.12194440e-4f;
+    v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (v8f)((ni + 127) << 23);
+}
+
+static inline float exp_nonpositive(float x) {
+    x = x > -87.0f ? x : -87.0f;
+    int32_t ni = (int32_t)(x * 1.44269504088896341f - 0.5f);
+    float nf = (float)ni;
+    float r = x - nf * 0.693359375f;
+    r = r + nf * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = (ni + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* scores[j] = exp(scores[j] - m) for scores <= m (a softmax's numerators); masked keys (-inf)
+ * come out ~0 and are zeroed by the caller. */
 static void exp_shifted(float *scores, int64_t n, float m) {
-    for (int64_t j = 0; j < n; j++) {
-        float x = scores[j] - m;
-        x = x < -87.0f ? -87.0f : x;
-        int32_t ni = (int32_t)(x * 1.44269504088896341f - 0.5f); /* x <= 0: truncation rounds to nearest */
-        float nf = (float)ni;
-        float r = x - nf * 0.693359375f;
-        r = r + nf * 2.12194440e-4f;
-        float p = 1.9875691500e-4f;
-        p = p * r + 1.3981999507e-3f;
-        p = p * r + 8.3334519073e-3f;
-        p = p * r + 4.1665795894e-2f;
-        p = p * r + 1.6666665459e-1f;
-        p = p * r + 5.0000001201e-1f;
-        p = p * r * r + r + 1.0f;
-        int32_t bits = (ni + 127) << 23;
-        float scale;
-        memcpy(&scale, &bits, sizeof scale);
-        scores[j] = p * scale;
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) store8(scores + j, exp8_nonpositive(load8(scores + j) - m));
+    for (; j < n; j++) scores[j] = exp_nonpositive(scores[j] - m);
+}
+
+/* silu(x) * up: x sigmoid(x), the sigmoid from e = exp(-|x|) <= 1 (1 / (1 + e), or e / (1 + e)
+ * below zero), so the exponential never overflows. */
+static inline v8f silu_mul8(v8f x, v8f up) {
+    v8i negative = x < 0.0f;
+    v8f e = exp8_nonpositive(select8(negative, x, -x));
+    return x * (select8(negative, e, (v8f){0} + 1.0f) / (1.0f + e)) * up;
+}
+
+static inline float silu_mul(float x, float up) {
+    float e = exp_nonpositive(x < 0.0f ? x : -x);
+    return x * ((x < 0.0f ? e : 1.0f) / (1.0f + e)) * up;
+}
+
+/* out[r, i] = silu(h[r, i]) * h[r, half + i] for h [rows, 2 half] = [gate | up] (ir.ops.swiglu).
+ * Rows split over the OpenMP threads when large. */
+void dinfer_swiglu_f32(const float *h, float *out, int64_t rows, int64_t half) {
+#pragma omp parallel for schedule(static) if (rows > 1 && rows * half >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = h + r * 2 * half, *up = gate + half;
+        float *o = out + r * half;
+        int64_t i = 0;
+        for (; i + 8 <= half; i += 8) store8(o + i, silu_mul8(load8(gate + i), load8(up + i)));
+        for (; i < half; i++) o[i] = silu_mul(gate[i], up[i]);
     }
 }
 
@@ -241,11 +299,8 @@ int dinfer_rope_attention_f32(const float *q, int64_t qb, int64_t qt, int64_t qh
                               int64_t rot, const float *q_norm, const float *k_norm, float eps, int64_t B, int64_t T,
                               int64_t H, int64_t KV, int64_t D, float *keys, float *values, const int64_t *slots,
                               int64_t sb, int64_t S, const uint8_t *key_valid, float scale, float *out) {
-    float tmp[D], qr[D];
+    float tmp[D];
     int64_t SP = (S + 7) / 8 * 8; /* keys padded to whole vectors: zero keys, masked scores */
-    float *keys_t = calloc((size_t)(D * SP + SP), sizeof(float));
-    if (keys_t == NULL) return -1;
-    float *scores = keys_t + D * SP;
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++) {
             int64_t p = pos[b * pb + t * pt];
@@ -258,18 +313,29 @@ int dinfer_rope_attention_f32(const float *q, int64_t qb, int64_t qt, int64_t qh
             }
         }
     int64_t group = H / KV;
-    for (int64_t b = 0; b < B; b++) {
-        const uint8_t *valid = key_valid + b * S;
-        int any = 0;
-        for (int64_t j = 0; j < S; j++) any |= valid[j];
-        for (int64_t g = 0; g < KV; g++) {
+    int failed = 0;
+    /* (row, kv head) pairs are independent: split over the threads of the OpenMP runtime torch
+     * itself uses (one pool, already spinning after torch's last op), when there is enough work. */
+#pragma omp parallel if (B * KV > 1 && B * T * H * S * D >= PARALLEL_MIN_WORK) reduction(| : failed)
+    {
+        float tmp_q[D], qr[D];
+        float *keys_t = calloc((size_t)(D * SP + SP), sizeof(float)); /* this thread's scratch */
+        float *scores = keys_t == NULL ? NULL : keys_t + D * SP;
+        if (keys_t == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t bg = 0; bg < B * KV; bg++) {
+            if (keys_t == NULL) continue;
+            int64_t b = bg / KV, g = bg % KV;
+            const uint8_t *valid = key_valid + b * S;
+            int any = 0;
+            for (int64_t j = 0; j < S; j++) any |= valid[j];
             const float *kbase = keys + (b * S * KV + g) * D, *vbase = values + (b * S * KV + g) * D;
             for (int64_t d = 0; d < D; d++)
                 for (int64_t j = 0; j < S; j++) keys_t[d * SP + j] = kbase[j * KV * D + d];
             for (int64_t t = 0; t < T; t++) {
                 int64_t p = pos[b * pb + t * pt];
                 for (int64_t h = g * group; h < (g + 1) * group; h++) {
-                    rope_row(q + b * qb + t * qt + h * qh, q_norm, eps, cos_t + p * rot, sin_t + p * rot, rot, D, tmp,
+                    rope_row(q + b * qb + t * qt + h * qh, q_norm, eps, cos_t + p * rot, sin_t + p * rot, rot, D, tmp_q,
                              qr);
                     for (int64_t d = 0; d < D; d++) qr[d] *= scale;
                     scores_of(qr, keys_t, D, SP, scores);
@@ -284,7 +350,7 @@ int dinfer_rope_attention_f32(const float *q, int64_t qb, int64_t qt, int64_t qh
                 }
             }
         }
+        free(keys_t);
     }
-    free(keys_t);
-    return 0;
+    return failed ? -1 : 0;
 }

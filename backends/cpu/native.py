@@ -32,18 +32,19 @@ import torch
 from dinfer_rt import envs
 
 SOURCE = Path(__file__).with_name("native.c")
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno")
-ABI = 3
-# The native attention core runs on one thread. Against native rotary + torch's SDPA, whole
-# kernel calls in one process: a block of 8 over 52 cached keys 68 vs 127 us, 20 over 52 64 vs
-# 114 us, 52 x 52 without a cache 170 vs 179 us (6 heads of 32); but on the 134M benchmark model
-# (12 heads of 64) a dual-cache step of 32 over 96 keys (36864 scores) was 129 vs 114 ms whole.
-# Above this many query x key scores per call the threaded SDPA takes over.
-MAX_NATIVE_SCORES = 1 << 14
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno", "-fopenmp")
+ABI = 4
+# The native attention core splits its (row, kv head) pairs over torch's OpenMP threads. Against
+# native rotary + torch's SDPA, one attention call, 2 threads: 52 x 52 keys, 6 heads of 32, 59 vs
+# 69 us; the 134M benchmark model's dual step (32 x 96 keys, 12 heads of 64: 36864 scores) 153 vs
+# 164 us, its no-cache step (96 x 96) 403 vs 369 us; 32 x 1056 keys 1951 vs 823 us (SDPA's blocked
+# kernel wins on long keys). Above this many query x key scores per call SDPA takes over.
+MAX_NATIVE_SCORES = 1 << 16
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "dinfer_rms_norm_f32": [_P, _P, _P, _I, _I, _F],
+    "dinfer_swiglu_f32": [_P, _P, _I, _I],
     "dinfer_add_rms_norm_f32": [_P, _P, _P, _P, _P, _I, _I, _F],
     "dinfer_rope_qkv_f32": [_P, _I, _I, _I] * 3 + [_P, _I, _I, _P, _P, _I, _P, _P, _F] + [_I] * 5 + [_P] * 4 + [_I, _I],
     "dinfer_rope_attention_f32": [_P, _I, _I, _I] * 3
@@ -147,6 +148,7 @@ class NativeKernels:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._rms = lib.dinfer_rms_norm_f32
+        self._swiglu = lib.dinfer_swiglu_f32
         self._add_rms = lib.dinfer_add_rms_norm_f32
         self._rope = lib.dinfer_rope_qkv_f32
         self._attend = lib.dinfer_rope_attention_f32
@@ -156,6 +158,14 @@ class NativeKernels:
             return None
         out = torch.empty_like(x)
         self._rms(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // max(x.shape[-1], 1), x.shape[-1], eps)
+        return out
+
+    def swiglu(self, h: torch.Tensor) -> torch.Tensor | None:
+        if not _rows(h) or h.shape[-1] % 2:
+            return None
+        half = h.shape[-1] // 2
+        out = torch.empty((*h.shape[:-1], half), dtype=h.dtype)
+        self._swiglu(h.data_ptr(), out.data_ptr(), h.numel() // max(2 * half, 1), half)
         return out
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
