@@ -179,6 +179,20 @@ def test_load_reports_why_it_is_off(monkeypatch, fresh_load, tmp_path):
     assert failed.lib is None and "compiling native.c" in failed.reason and "failed" in failed.reason
 
 
+def test_load_shares_torchs_openmp_runtime_or_builds_without_it(monkeypatch, fresh_load, tmp_path, fast):
+    loaded = fresh_load()
+    assert "OpenMP threads shared with torch" in loaded.reason  # torch's bundled libgomp, one pool
+    assert len(native._openmp_runtimes()) == 1
+    native.load.cache_clear()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "OPENMP_FLAGS", ("-fno-such-openmp-flag",))  # a compiler without OpenMP
+    plain = fresh_load()
+    assert plain.lib is not None and "one thread: the OpenMP build failed" in plain.reason
+    assert not plain.lib.dinfer_native_openmp()
+    h = torch.randn(300, 2 * 96)  # the size that is split over threads where OpenMP is there
+    _close(native.NativeKernels(plain.lib).swiglu(h), ops.swiglu(h.double()))
+
+
 def test_backend_without_native_kernels_uses_torch_and_says_so(monkeypatch, fresh_load):
     monkeypatch.setenv(envs.DINFER_CPU_NATIVE, "0")
     model = dinfer_rt.load_model(EMBEDDED_MODEL)

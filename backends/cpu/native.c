@@ -23,6 +23,19 @@ int dinfer_native_abi(void) { return 4; }
 #define PARALLEL_MIN_WORK (1 << 16)
 #define PARALLEL_MIN_ELEMENTS (1 << 14)
 
+/* Set by the loader when this library's OpenMP runtime is not torch's (two pools would
+ * oversubscribe the cores): every kernel then stays on the calling thread. */
+static int single_thread = 0;
+void dinfer_native_single_thread(void) { single_thread = 1; }
+
+int dinfer_native_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Sum of squares with eight independent partial sums (vectorisable without reassociation). */
 static float sum_squares(const float *x, int64_t n) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -40,7 +53,7 @@ static float inv_rms(const float *x, int64_t dim, float eps) {
 
 /* out = weight * (x * rsqrt(mean(x^2) + eps)), rows of `dim` contiguous values. */
 void dinfer_rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t dim, float eps) {
-#pragma omp parallel for schedule(static) if (rows > 1 && rows * dim >= PARALLEL_MIN_ELEMENTS)
+#pragma omp parallel for schedule(static) if (!single_thread && rows > 1 && rows * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim;
         float *o = out + r * dim;
@@ -52,7 +65,7 @@ void dinfer_rms_norm_f32(const float *x, const float *weight, float *out, int64_
 /* sum = x + residual; out = rms_norm(sum) * weight (the residual stream and the next norm). */
 void dinfer_add_rms_norm_f32(const float *x, const float *residual, const float *weight, float *out, float *sum,
                              int64_t rows, int64_t dim, float eps) {
-#pragma omp parallel for schedule(static) if (rows > 1 && rows * dim >= PARALLEL_MIN_ELEMENTS)
+#pragma omp parallel for schedule(static) if (!single_thread && rows > 1 && rows * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim, *rr = residual + r * dim;
         float *s = sum + r * dim, *o = out + r * dim;
@@ -273,7 +286,7 @@ static inline float silu_mul(float x, float up) {
 /* out[r, i] = silu(h[r, i]) * h[r, half + i] for h [rows, 2 half] = [gate | up] (ir.ops.swiglu).
  * Rows split over the OpenMP threads when large. */
 void dinfer_swiglu_f32(const float *h, float *out, int64_t rows, int64_t half) {
-#pragma omp parallel for schedule(static) if (rows > 1 && rows * half >= PARALLEL_MIN_ELEMENTS)
+#pragma omp parallel for schedule(static) if (!single_thread && rows > 1 && rows * half >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = h + r * 2 * half, *up = gate + half;
         float *o = out + r * half;
@@ -316,7 +329,7 @@ int dinfer_rope_attention_f32(const float *q, int64_t qb, int64_t qt, int64_t qh
     int failed = 0;
     /* (row, kv head) pairs are independent: split over the threads of the OpenMP runtime torch
      * itself uses (one pool, already spinning after torch's last op), when there is enough work. */
-#pragma omp parallel if (B * KV > 1 && B * T * H * S * D >= PARALLEL_MIN_WORK) reduction(| : failed)
+#pragma omp parallel if (!single_thread && B * KV > 1 && B * T * H * S * D >= PARALLEL_MIN_WORK) reduction(| : failed)
     {
         float tmp_q[D], qr[D];
         float *keys_t = calloc((size_t)(D * SP + SP), sizeof(float)); /* this thread's scratch */

@@ -32,7 +32,11 @@ import torch
 from dinfer_rt import envs
 
 SOURCE = Path(__file__).with_name("native.c")
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno", "-fopenmp")
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno")
+# Large calls split over OpenMP threads; torch's CPU wheels bundle libgomp.so.1, which the loader
+# then shares with us (one thread pool). Without OpenMP support the build is retried without it.
+OPENMP_FLAGS = ("-fopenmp",)
+OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
 ABI = 4
 # The native attention core splits its (row, kv head) pairs over torch's OpenMP threads. Against
 # native rotary + torch's SDPA, one attention call, 2 threads: 52 x 52 keys, 6 heads of 32, 59 vs
@@ -90,16 +94,16 @@ def _compiler() -> tuple[str | None, str]:
     return path, version.splitlines()[0] if version else path
 
 
-def _build(cc: str, version: str) -> tuple[Path | None, str]:
+def _build(cc: str, version: str, flags: tuple[str, ...]) -> tuple[Path | None, str]:
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()]))
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_flags().encode()]))
     target = _cache_dir() / f"native-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target, f"cached {target.name}"
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"]
+        cmd = [cc, *flags, str(SOURCE), "-o", str(out), "-lm"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.SubprocessError) as e:
@@ -120,7 +124,10 @@ def load() -> Native:
     if cc is None:
         return Native(None, version)
     try:
-        path, how = _build(cc, version)
+        path, how = _build(cc, version, FLAGS + OPENMP_FLAGS)
+        if path is None:
+            path, plain = _build(cc, version, FLAGS)
+            how = plain if path is None else f"{plain}, one thread: the OpenMP build failed ({how})"
     except OSError as e:
         return Native(None, f"cannot write the build cache {_cache_dir()}: {e}")
     if path is None:
@@ -134,7 +141,24 @@ def load() -> Native:
             fn.argtypes, fn.restype = args, _RETURNS.get(name)
     except (OSError, AttributeError) as e:
         return Native(None, f"loading {path} failed: {e}")
+    if lib.dinfer_native_openmp():
+        runtimes = _openmp_runtimes()
+        if len(runtimes) > 1:  # ours is not torch's: two thread pools would fight for the cores
+            lib.dinfer_native_single_thread()
+            how += f", one thread: a second OpenMP runtime ({', '.join(sorted(runtimes))})"
+        else:
+            how += ", OpenMP threads shared with torch"
     return Native(lib, f"on ({version}, {how})")
+
+
+def _openmp_runtimes() -> set[str]:
+    """Files of the OpenMP runtimes mapped into this process (Linux; empty elsewhere)."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return set()
+    files = {line.split()[-1] for line in maps if "/" in line}
+    return {f for f in files if Path(f).name.startswith(OPENMP_RUNTIMES)}
 
 
 def _rows(x: torch.Tensor) -> bool:
