@@ -218,6 +218,60 @@ static void weighted_sum(const float *w, const float *values, int64_t stride, in
     }
 }
 
+/* scores_of for two queries at once: each key vector loaded once feeds both (eight independent
+ * sums of 32 keys x 2 queries, then 8 x 2, then one by one). */
+static void scores_of2(const float *q0, const float *q1, const float *keys_t, int64_t D, int64_t S, float *s0,
+                       float *s1) {
+    int64_t j0 = 0;
+    for (; j0 + 32 <= S; j0 += 32) {
+        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+        for (int64_t d = 0; d < D; d++) {
+            const float *row = keys_t + d * S + j0;
+            v8f k0 = load8(row), k1 = load8(row + 8), k2 = load8(row + 16), k3 = load8(row + 24);
+            a0 += q0[d] * k0, a1 += q0[d] * k1, a2 += q0[d] * k2, a3 += q0[d] * k3;
+            b0 += q1[d] * k0, b1 += q1[d] * k1, b2 += q1[d] * k2, b3 += q1[d] * k3;
+        }
+        store8(s0 + j0, a0), store8(s0 + j0 + 8, a1), store8(s0 + j0 + 16, a2), store8(s0 + j0 + 24, a3);
+        store8(s1 + j0, b0), store8(s1 + j0 + 8, b1), store8(s1 + j0 + 16, b2), store8(s1 + j0 + 24, b3);
+    }
+    for (; j0 + 8 <= S; j0 += 8) {
+        v8f a = {0}, b = {0};
+        for (int64_t d = 0; d < D; d++) {
+            v8f k = load8(keys_t + d * S + j0);
+            a += q0[d] * k, b += q1[d] * k;
+        }
+        store8(s0 + j0, a), store8(s1 + j0, b);
+    }
+    for (int64_t j = j0; j < S; j++) {
+        float a = 0.0f, b = 0.0f;
+        for (int64_t d = 0; d < D; d++) a += q0[d] * keys_t[d * S + j], b += q1[d] * keys_t[d * S + j];
+        s0[j] = a, s1[j] = b;
+    }
+}
+
+/* weighted_sum for two queries at once (each value vector loaded once feeds both). */
+static void weighted_sum2(const float *w0, const float *w1, const float *values, int64_t stride, int64_t S, int64_t D,
+                          float scale0, float scale1, float *out0, float *out1) {
+    int64_t d0 = 0;
+    for (; d0 + 32 <= D; d0 += 32) {
+        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+        for (int64_t j = 0; j < S; j++) {
+            const float *row = values + j * stride + d0;
+            v8f v0 = load8(row), v1 = load8(row + 8), v2 = load8(row + 16), v3 = load8(row + 24);
+            a0 += w0[j] * v0, a1 += w0[j] * v1, a2 += w0[j] * v2, a3 += w0[j] * v3;
+            b0 += w1[j] * v0, b1 += w1[j] * v1, b2 += w1[j] * v2, b3 += w1[j] * v3;
+        }
+        store8(out0 + d0, a0 * scale0), store8(out0 + d0 + 8, a1 * scale0);
+        store8(out0 + d0 + 16, a2 * scale0), store8(out0 + d0 + 24, a3 * scale0);
+        store8(out1 + d0, b0 * scale1), store8(out1 + d0 + 8, b1 * scale1);
+        store8(out1 + d0 + 16, b2 * scale1), store8(out1 + d0 + 24, b3 * scale1);
+    }
+    if (d0 < D) { /* the rest of the dims one query at a time */
+        weighted_sum(w0, values + d0, stride, S, D - d0, scale0, out0 + d0);
+        weighted_sum(w1, values + d0, stride, S, D - d0, scale1, out1 + d0);
+    }
+}
+
 /* exp(x) for x <= 0: 2^n p(r) with n = round(x / ln 2), r = x - n ln 2 (in two parts) and the
  * degree-7 polynomial of Cephes' expf (relative error ~1e-7, float32 rounding). x is clamped at
  * -87 (exp ~ 1.6e-38); -inf and NaN land there too. Written on eight lanes with the vector
@@ -268,6 +322,17 @@ static void exp_shifted(float *scores, int64_t n, float m) {
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) store8(scores + j, exp8_nonpositive(load8(scores + j) - m));
     for (; j < n; j++) scores[j] = exp_nonpositive(scores[j] - m);
+}
+
+/* scores <- the softmax numerators over the valid keys (masked keys 0); returns their sum.
+ * ``masked``: some keys of the row are padding (a row without any valid key attends to all). */
+static float softmax_numerators(float *scores, int64_t S, const uint8_t *valid, int masked) {
+    if (masked)
+        for (int64_t j = 0; j < S; j++) scores[j] = valid[j] ? scores[j] : -INFINITY;
+    exp_shifted(scores, S, max_of(scores, S));
+    if (masked)
+        for (int64_t j = 0; j < S; j++) scores[j] = valid[j] ? scores[j] : 0.0f;
+    return sum_of(scores, S);
 }
 
 /* silu(x) * up: x sigmoid(x), the sigmoid from e = exp(-|x|) <= 1 (1 / (1 + e), or e / (1 + e)
@@ -331,35 +396,43 @@ int dinfer_rope_attention_f32(const float *q, int64_t qb, int64_t qt, int64_t qh
      * itself uses (one pool, already spinning after torch's last op), when there is enough work. */
 #pragma omp parallel if (!single_thread && B * KV > 1 && B * T * H * S * D >= PARALLEL_MIN_WORK) reduction(| : failed)
     {
-        float tmp_q[D], qr[D];
-        float *keys_t = calloc((size_t)(D * SP + SP), sizeof(float)); /* this thread's scratch */
-        float *scores = keys_t == NULL ? NULL : keys_t + D * SP;
+        float tmp_q[D], qr[2][D];
+        /* this thread's scratch: the kv head's keys transposed [D, SP], and two score rows */
+        float *keys_t = calloc((size_t)(D * SP + 2 * SP), sizeof(float));
         if (keys_t == NULL) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t bg = 0; bg < B * KV; bg++) {
             if (keys_t == NULL) continue;
+            float *scores[2] = {keys_t + D * SP, keys_t + D * SP + SP};
             int64_t b = bg / KV, g = bg % KV;
             const uint8_t *valid = key_valid + b * S;
-            int any = 0;
-            for (int64_t j = 0; j < S; j++) any |= valid[j];
+            int64_t n_valid = 0;
+            for (int64_t j = 0; j < S; j++) n_valid += valid[j] != 0;
+            int masked = n_valid > 0 && n_valid < S;
             const float *kbase = keys + (b * S * KV + g) * D, *vbase = values + (b * S * KV + g) * D;
             for (int64_t d = 0; d < D; d++)
                 for (int64_t j = 0; j < S; j++) keys_t[d * SP + j] = kbase[j * KV * D + d];
-            for (int64_t t = 0; t < T; t++) {
-                int64_t p = pos[b * pb + t * pt];
-                for (int64_t h = g * group; h < (g + 1) * group; h++) {
+            /* the group's query rows (t, head) in pairs: each key and value vector read once per pair */
+            int64_t rows = T * group;
+            for (int64_t r0 = 0; r0 < rows; r0 += 2) {
+                int64_t pair = r0 + 1 < rows ? 2 : 1;
+                float *o[2];
+                for (int64_t i = 0; i < pair; i++) {
+                    int64_t t = (r0 + i) / group, h = g * group + (r0 + i) % group, p = pos[b * pb + t * pt];
                     rope_row(q + b * qb + t * qt + h * qh, q_norm, eps, cos_t + p * rot, sin_t + p * rot, rot, D, tmp_q,
-                             qr);
-                    for (int64_t d = 0; d < D; d++) qr[d] *= scale;
-                    scores_of(qr, keys_t, D, SP, scores);
-                    if (any)
-                        for (int64_t j = 0; j < S; j++) scores[j] = valid[j] ? scores[j] : -INFINITY;
-                    float m = max_of(scores, S);
-                    exp_shifted(scores, S, m);
-                    if (any)
-                        for (int64_t j = 0; j < S; j++) scores[j] = valid[j] ? scores[j] : 0.0f;
-                    float total = sum_of(scores, S);
-                    weighted_sum(scores, vbase, KV * D, S, D, 1.0f / total, out + ((b * T + t) * H + h) * D);
+                             qr[i]);
+                    for (int64_t d = 0; d < D; d++) qr[i][d] *= scale;
+                    o[i] = out + ((b * T + t) * H + h) * D;
+                }
+                if (pair == 2) {
+                    scores_of2(qr[0], qr[1], keys_t, D, SP, scores[0], scores[1]);
+                    float total0 = softmax_numerators(scores[0], S, valid, masked);
+                    float total1 = softmax_numerators(scores[1], S, valid, masked);
+                    weighted_sum2(scores[0], scores[1], vbase, KV * D, S, D, 1.0f / total0, 1.0f / total1, o[0], o[1]);
+                } else {
+                    scores_of(qr[0], keys_t, D, SP, scores[0]);
+                    float total = softmax_numerators(scores[0], S, valid, masked);
+                    weighted_sum(scores[0], vbase, KV * D, S, D, 1.0f / total, o[0]);
                 }
             }
         }

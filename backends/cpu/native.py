@@ -38,12 +38,18 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-er
 OPENMP_FLAGS = ("-fopenmp",)
 OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
 ABI = 4
-# The native attention core splits its (row, kv head) pairs over torch's OpenMP threads. Against
-# native rotary + torch's SDPA, one attention call, 2 threads: 52 x 52 keys, 6 heads of 32, 59 vs
-# 69 us; the 134M benchmark model's dual step (32 x 96 keys, 12 heads of 64: 36864 scores) 153 vs
-# 164 us, its no-cache step (96 x 96) 403 vs 369 us; 32 x 1056 keys 1951 vs 823 us (SDPA's blocked
-# kernel wins on long keys). Above this many query x key scores per call SDPA takes over.
+# The native attention core splits its (row, kv head) pairs over torch's OpenMP threads and reads
+# each key and value vector once per two query rows. Against native rotary + torch's SDPA, one
+# call, 2 threads: 52 keys, 6 heads of 32: 1 x 52 queries 53 vs 71 us, 50 rows x 20 queries 856 vs
+# 935 us, 50 x 52 1970 vs 1940 us; 96 keys, 12 heads of 64 (the 134M benchmark model): 32
+# queries 130 vs 141 us, 96 queries 316 vs 366 us; but 288 keys (8 x 32 queries) 3040 vs 1920 us
+# and 1056 keys 1538 vs 884 us: SDPA's blocked kernel wins once the keys are long. In a decoding
+# loop at batch 50 (52 keys) native was 0.97x SDPA's step time with 20 queries a row, 1.05x with
+# 52. So the native core takes calls of up to MAX_NATIVE_SCORES query x key scores, or up to
+# MAX_SHORT_KEY_SCORES while the keys are at most MAX_NATIVE_KEYS.
 MAX_NATIVE_SCORES = 1 << 16
+MAX_NATIVE_KEYS = 128
+MAX_SHORT_KEY_SCORES = 1 << 19
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -239,13 +245,18 @@ class NativeKernels:
         self, q, k, v, positions, cos, sin, q_norm, k_norm, eps, slots, k_cache, v_cache, key_valid, scale
     ):
         """The whole attention op (no block-causal rule) as one native call: out [B, T, H, D], the
-        caches written at ``slots`` when given. None when not handled (layout, or too many
-        scores for one thread)."""
+        caches written at ``slots`` when given. None when not handled (layout, or long keys in
+        a big call: SDPA's territory)."""
         f32 = torch.float32
         b, t, h, d = q.shape
         kv = k.shape[2]
         n = t if k_cache is None else k_cache.shape[1]
-        if b * t * h * n > MAX_NATIVE_SCORES or key_valid.dtype != torch.bool or not key_valid.is_contiguous():
+        scores = b * t * h * n
+        if scores > (MAX_SHORT_KEY_SCORES if n <= MAX_NATIVE_KEYS else MAX_NATIVE_SCORES):
+            return None
+        if key_valid.dtype != torch.bool:
+            return None
+        if not key_valid.is_contiguous():
             return None
         qs, ks, vs, ps = q.stride(), k.stride(), v.stride(), positions.stride()
         if q.dtype != f32 or k.dtype != f32 or v.dtype != f32 or qs[3] != 1 or ks[3] != 1 or vs[3] != 1:
