@@ -1,17 +1,20 @@
 """The CPU backend's native kernels: ``native.c``, compiled once per machine, called through ctypes.
 
 Why: on a small model at batch 1 a forward is dispatch-bound. Every torch op costs a few
-microseconds however small its tensor, so RMSNorm (about seven ops) or one layer's rotary and
-K/V cache write (about fifteen) cost more than the matmuls between them; each native function
-does one such group in one call. They take float32 CPU tensors; everything else goes to the
-torch kernels (``kernels.py``), and ``tests/test_cpu_native.py`` checks both against the
-float64 reference.
+microseconds however small its tensor, so RMSNorm (about seven ops), SwiGLU (three) or one
+layer's rotary and K/V cache write (about fifteen) cost more than the matmuls between them; each
+native function does one such group in one call. Large calls (a big batch) split their rows or
+(row, kv head) pairs over OpenMP threads: the library is built with ``-fopenmp`` and so shares
+the ``libgomp`` torch's CPU wheels bundle (one thread pool, sized by ``torch.set_num_threads``).
+They take float32 CPU tensors; everything else goes to the torch kernels (``kernels.py``), and
+``tests/test_cpu_native.py`` checks both against the float64 reference.
 
 The source is compiled with the system C compiler (``$CC``, else ``cc``; well under a second)
 into ``~/.cache/dinfer_rt/cpu-native/`` (``$XDG_CACHE_HOME`` respected), under a name that hashes
 the source, the flags, the compiler's version and this CPU's feature flags, so a cache copied to
 another machine is never loaded there. ``DINFER_CPU_NATIVE=0`` turns them off. Without a working
-compiler the CPU backend says why (``dinfer-rt backends``) and runs the torch kernels.
+compiler the CPU backend says why (``dinfer-rt backends``) and runs the torch kernels; without
+OpenMP support, or beside another OpenMP runtime than torch's, the kernels run on one thread.
 """
 
 from __future__ import annotations
