@@ -191,7 +191,7 @@ class _Forwarder:
         self.block_size = params.block_length if model.spec.block_causal else None
         self.cache = model.new_cache(batch, n) if params.cache != "none" else None
         self.prev_start: int | None = None
-        # adaptive cache: tokens each row committed since the last full refresh
+        # adaptive / anchored cache: tokens each row committed since the last full refresh
         self.pending = torch.zeros(batch, dtype=torch.long) if params.cache in ("adaptive", "anchored") else None
         self.use_confidence = (
             params.confidence_head
