@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -191,8 +192,10 @@ class _Forwarder:
         self.block_size = params.block_length if model.spec.block_causal else None
         self.cache = model.new_cache(batch, n) if params.cache != "none" else None
         self.prev_start: int | None = None
-        # adaptive / anchored cache: tokens each row committed since the last full refresh
-        self.pending = torch.zeros(batch, dtype=torch.long) if params.cache in ("adaptive", "anchored") else None
+        # adaptive / anchored cache: tokens each row committed since the last full refresh (not
+        # counted when no bound applies: on a device the count is a host sync per step)
+        counted = params.cache in ("adaptive", "anchored") and math.isfinite(params.refresh_limit())
+        self.pending = torch.zeros(batch, dtype=torch.long) if counted else None
         self.use_confidence = (
             params.confidence_head
             and params.strategy in strategies.STATS_ONLY
