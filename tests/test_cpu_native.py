@@ -188,7 +188,8 @@ def test_load_shares_torchs_openmp_runtime_or_builds_without_it(monkeypatch, fre
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(native, "OPENMP_FLAGS", ("-fno-such-openmp-flag",))  # a compiler without OpenMP
     plain = fresh_load()
-    assert plain.lib is not None and "one thread: the OpenMP build failed" in plain.reason
+    assert plain.lib is not None and "one thread: the OpenMP build failed" in plain.reason, plain.reason
+    assert "-fno-such-openmp-flag" in plain.reason  # the compiler's own words
     assert not plain.lib.dinfer_native_openmp()
     h = torch.randn(300, 2 * 96)  # the size that is split over threads where OpenMP is there
     _close(native.NativeKernels(plain.lib).swiglu(h), ops.swiglu(h.double()))

@@ -132,11 +132,19 @@ def load() -> Native:
     cc, version = _compiler()
     if cc is None:
         return Native(None, version)
+    threaded = _open(cc, version, FLAGS + OPENMP_FLAGS)
+    if threaded.lib is not None:
+        return threaded
+    plain = _open(cc, version, FLAGS)  # no OpenMP in this toolchain (or its runtime does not load)
+    if plain.lib is None:
+        return plain
+    return Native(plain.lib, f"{plain.reason[:-1]}, one thread: the OpenMP build failed: {threaded.reason})")
+
+
+def _open(cc: str, version: str, flags: tuple[str, ...]) -> Native:
+    """Build (or find in the cache) and load the library with these flags."""
     try:
-        path, how = _build(cc, version, FLAGS + OPENMP_FLAGS)
-        if path is None:
-            path, plain = _build(cc, version, FLAGS)
-            how = plain if path is None else f"{plain}, one thread: the OpenMP build failed ({how})"
+        path, how = _build(cc, version, flags)
     except OSError as e:
         return Native(None, f"cannot write the build cache {_cache_dir()}: {e}")
     if path is None:
