@@ -28,6 +28,9 @@ DINFER_EXECUTOR = "DINFER_EXECUTOR"
 """``interpreted`` runs each graph step by step instead of as generated straight-line code (debugging)."""
 DINFER_CPU_NATIVE = "DINFER_CPU_NATIVE"
 """``0``: the CPU backend runs only torch kernels (no native C kernels are compiled or loaded)."""
+DINFER_CPU_PACKED_WEIGHTS = "DINFER_CPU_PACKED_WEIGHTS"
+"""CPU layer blocks: which projections get MKL's packed copy (about 2x their bytes resident):
+``small`` (default: weights up to 1 MiB), ``all``, ``off``."""
 DINFER_MODEL = "DINFER_MODEL"
 """Default model folder for the CLI and ``LLM()``; unset means the embedded model."""
 
@@ -44,6 +47,7 @@ ALL = (
     DINFER_TUNING_CACHE,
     DINFER_EXECUTOR,
     DINFER_CPU_NATIVE,
+    DINFER_CPU_PACKED_WEIGHTS,
     DINFER_MODEL,
 )
 

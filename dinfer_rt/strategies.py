@@ -48,7 +48,7 @@ def linear_schedule(n_masked: torch.Tensor, steps: int) -> torch.Tensor:
 def _top_quota(score: torch.Tensor, masked: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
     """Commit the ``quota[r]`` best-scoring masked slots of each row (batched, rank-masked top-k)."""
     score = score.masked_fill(~masked, NEG)
-    order = score.argsort(dim=-1, descending=True)
+    order = score.argsort(dim=-1, descending=True, stable=True)  # ties: the lower slot (as native.c)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(score.shape[-1]).expand_as(order))
     q = torch.minimum(quota.clamp_min(1), masked.sum(-1))
     return masked & (rank < q[:, None])
@@ -106,10 +106,15 @@ def entropy(s: StepInput):
     return x0, _top_quota(neg_entropy, s.masked, s.quota)
 
 
+def threshold_commit(conf: torch.Tensor, masked: torch.Tensor, tau: float) -> torch.Tensor:
+    """The masked slots with confidence >= ``tau``, and at least each row's best masked slot."""
+    return _at_least_one(masked & (conf >= tau), conf, masked)
+
+
 def make_threshold(tau: float) -> Callable:
     def threshold(s: StepInput):
         x0, conf = candidates(s)
-        return x0, _at_least_one(s.masked & (conf >= tau), conf, s.masked)
+        return x0, threshold_commit(conf, s.masked, tau)
 
     return threshold
 

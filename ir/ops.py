@@ -818,6 +818,77 @@ def rope_attention(
     return attention(q, k, v, key_valid, token_index, k_cache, v_cache, scale=scale, block_size=block_size)
 
 
+# ---------------------------------------------------------------- decoder-layer blocks
+
+
+def _infer_attention_block(ts, attrs):
+    x, w, b, key_valid, token_index, positions, q_norm, k_norm, k_cache, v_cache = ts
+    (qkv,) = _infer_linear([x, w] + ([b] if b is not None else []), {})
+    q, k, v = _infer_split([qkv], {"sizes": attrs["sizes"]})
+    heads = [
+        _infer_view_heads([t], {"heads": h})[0]
+        for t, h in ((q, attrs["heads"]), (k, attrs["kv_heads"]), (v, attrs["kv_heads"]))
+    ]
+    out = _infer_rope_attention([*heads, key_valid, token_index, positions, q_norm, k_norm, k_cache, v_cache], attrs)
+    return [_infer_merge_heads([out[0]], {})[0], *out[1:]]
+
+
+@_register("attention_block", 10, mutates=(8, 9))(_infer_attention_block)
+def attention_block(
+    x,
+    w_qkv,
+    b_qkv,
+    key_valid,
+    token_index,
+    positions,
+    q_norm,
+    k_norm,
+    k_cache,
+    v_cache,
+    *,
+    sizes: tuple[int, int, int],
+    heads: int,
+    kv_heads: int,
+    scale: float,
+    block_size: int | None,
+    theta: float,
+    rotary_dim: int,
+    eps: float,
+):
+    """A layer's merged Q/K/V projection and its attention: reference semantics = ``linear`` ->
+    ``split`` (``sizes``) -> ``view_heads`` (``heads``, ``kv_heads``) -> ``rope_attention`` ->
+    ``merge_heads``; returns [B, T, heads * head_dim] (and the caches, aliased, when given)."""
+    q, k, v = split(linear(x, w_qkv, b_qkv), sizes=sizes)
+    q, k, v = view_heads(q, heads=heads), view_heads(k, heads=kv_heads), view_heads(v, heads=kv_heads)
+    out = rope_attention(
+        q, k, v, key_valid, token_index, positions, q_norm, k_norm, k_cache, v_cache,
+        scale=scale, block_size=block_size, theta=theta, rotary_dim=rotary_dim, eps=eps,
+    )  # fmt: skip
+    if k_cache is None:
+        return merge_heads(out)
+    return merge_heads(out[0]), out[1], out[2]
+
+
+def _infer_mlp_block(ts, attrs):
+    attn, w_o, b_o, residual, w_norm, w_gate_up, w_down, w_out_norm = ts
+    (proj,) = _infer_linear([attn, w_o] + ([b_o] if b_o is not None else []), {})
+    normed, _ = _infer_add_rms_norm([residual, proj, w_norm], attrs)
+    (h,) = _infer_swiglu(_infer_linear([normed, w_gate_up], {}), {})
+    (down,) = _infer_linear([h, w_down], {})
+    return _infer_add_rms_norm([residual, down, w_out_norm], attrs)
+
+
+@_register("mlp_block", 8)(_infer_mlp_block)
+def mlp_block(attn, w_o, b_o, residual, w_norm, w_gate_up, w_down, w_out_norm, *, eps: float):
+    """The rest of a dense layer after attention: output projection, residual add + RMSNorm,
+    SwiGLU MLP over the merged [gate | up] projection, residual add + the next RMSNorm. Reference
+    semantics = ``linear`` -> ``add_rms_norm`` -> ``linear`` -> ``swiglu`` -> ``linear`` ->
+    ``add_rms_norm``; returns (normed, residual stream) like ``add_rms_norm``."""
+    normed, total = add_rms_norm(residual, linear(attn, w_o, b_o), w_norm, eps=eps)
+    down = linear(swiglu(linear(normed, w_gate_up)), w_down)
+    return add_rms_norm(total, down, w_out_norm, eps=eps)
+
+
 # ---------------------------------------------------------------- MoE with routing folded in
 
 

@@ -234,3 +234,47 @@ def test_native_attention_handles_a_sharp_softmax_and_long_key_rows(fast):
     )[0]
     assert torch.isfinite(out).all()
     _close(out, want, tol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rule", ["threshold", "top_k"])
+def test_native_commit_decides_like_the_strategies(fast, rule, dtype):
+    """Ties (saturated 1.0 and repeated scores), rows with nothing masked, quotas of 0 and past
+    the masked count: the same commits and the same writes as the host-side rules."""
+    from dinfer_rt import strategies
+
+    g = torch.Generator().manual_seed(11)
+    b, n = 6, 9
+    conf = torch.rand(b, n, generator=g).to(dtype)
+    conf[0, [1, 4, 7]] = 1.0
+    conf[1, [2, 3]] = 0.5
+    conf[2] = 0.25
+    masked = torch.rand(b, n, generator=g) < 0.6
+    masked[2] = True
+    masked[3] = False
+    quota = torch.tensor([2, 1, 3, 4, 0, 20])
+    x0 = torch.randint(3, 30, (b, n), generator=g)
+    seq = torch.full((b, n + 4), 2, dtype=torch.long)  # the block is a strided view of the sequence
+    want = strategies._top_quota(conf, masked, quota) if rule == "top_k" else strategies.threshold_commit(
+        conf, masked, 0.7
+    )  # fmt: skip
+    got = fast.commit(conf, masked, quota, x0, seq[:, 2 : 2 + n], rule=rule, threshold=0.7)
+    assert torch.equal(got, want)
+    assert torch.equal(seq[:, 2 : 2 + n], torch.where(want, x0, 2)) and (seq[:, :2] == 2).all()
+    with pytest.raises(ValueError, match="unknown rule 'sometimes'"):
+        fast.commit(conf, masked, quota, x0, seq[:, 2 : 2 + n], rule="sometimes")
+
+
+def test_generation_with_the_native_commit_equals_the_host_rules(monkeypatch):
+    from dinfer_rt.backends.cpu import CpuBackend
+
+    model = dinfer_rt.load_model(EMBEDDED_MODEL)
+    prompts = [[1, 5, 9, 12, 7, 3], [1, 8, 4, 6, 11, 10, 2, 13]]
+    for strategy in ("threshold", "low_confidence"):
+        params = SamplingParams(gen_length=16, block_length=8, strategy=strategy, threshold=0.9, cache="anchored")
+        native_commit = generate_batch(model, prompts, params)
+        with monkeypatch.context() as m:
+            m.setattr(CpuBackend, "commit_kernel", lambda self: None)
+            host = generate_batch(model, prompts, params)
+        assert torch.equal(native_commit.tokens, host.tokens), strategy
+        assert torch.equal(native_commit.commit_step, host.commit_step), strategy

@@ -38,6 +38,12 @@ class CpuBackend(Backend):
         dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
         return Capabilities(dtypes=dtypes, collectives="gloo", weight_formats=("int8", "fp8", "gptq4"))
 
+    def commit_kernel(self):
+        """The scheduler's greedy commit (threshold / top-k) in one native call where native.c
+        is built: a step then spends no torch ops on its decision (``NativeKernels.commit``)."""
+        lib = native.load().lib
+        return None if lib is None else native.NativeKernels(lib).commit
+
     def kernels(self) -> Mapping[str, Kernel]:
         kernels = {name: op.reference for name, op in OPS.items()}
         # The fused op whose point is memory: never build [positions x vocab] probabilities.
@@ -54,7 +60,13 @@ class CpuBackend(Backend):
             "add_rms_norm": cpu_kernels.add_rms_norm,
             "linear_wq": cpu_kernels.linear_wq,
         }
+        # The layer blocks (a dense layer in two native calls) only where native.c and a BLAS are
+        # there: without them the fusion passes leave the layer's ops apart.
+        del kernels["attention_block"], kernels["mlp_block"]
         if fast is not None:
             rows = cpu_kernels.NativeRowKernels(fast)
             kernels |= {"rms_norm": rows.rms_norm, "add_rms_norm": rows.add_rms_norm, "swiglu": rows.swiglu}
+            if fast.blas is not None:
+                blocks = cpu_kernels.LayerBlockKernels(attn, rows)
+                kernels |= {"attention_block": blocks.attention_block, "mlp_block": blocks.mlp_block}
         return kernels

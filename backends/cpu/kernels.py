@@ -326,6 +326,47 @@ class NativeRowKernels:
         return swiglu_reference(h) if out is None else out
 
 
+class LayerBlockKernels:
+    """``attention_block`` / ``mlp_block``: a dense decoder layer in two native calls (float32,
+    contiguous, no block-causal rule, attention within the native core's limits), the matmuls in
+    torch's own BLAS; anything else is composed from this backend's other kernels (same values).
+    Shares the attention kernels' per-forward memos (rotary tables, slot checks)."""
+
+    def __init__(self, attn: AttentionKernels, rows: NativeRowKernels) -> None:
+        self.attn, self.rows, self.native = attn, rows, rows.native
+
+    def attention_block(
+        self, x, w_qkv, b_qkv, key_valid, token_index, positions, q_norm, k_norm, k_cache, v_cache, *,
+        sizes, heads, kv_heads, scale, block_size, theta, rotary_dim, eps,
+    ):  # fmt: skip
+        cached = k_cache is not None
+        if block_size is None and x.dtype == torch.float32 and tuple(positions.shape) == tuple(x.shape[:2]):
+            if cached:
+                self.attn._check_slots(token_index, k_cache.shape[1])
+            cos, sin = self.attn.rotary.tables(positions, rotary_dim, theta, torch.float32)
+            out = self.native.attention_block(
+                x, w_qkv, b_qkv, key_valid, token_index, positions, q_norm, k_norm, k_cache, v_cache, cos, sin,
+                heads=heads, kv_heads=kv_heads, scale=scale, rotary_dim=rotary_dim, eps=eps,
+            )  # fmt: skip
+            if out is not None:
+                return (out, k_cache, v_cache) if cached else out
+        q, k, v = F.linear(x, w_qkv, b_qkv).split(list(sizes), dim=-1)
+        q, k, v = q.unflatten(-1, (heads, -1)), k.unflatten(-1, (kv_heads, -1)), v.unflatten(-1, (kv_heads, -1))
+        out = self.attn.rope_attention(
+            q, k, v, key_valid, token_index, positions, q_norm, k_norm, k_cache, v_cache,
+            scale=scale, block_size=block_size, theta=theta, rotary_dim=rotary_dim, eps=eps,
+        )  # fmt: skip
+        return (out[0].flatten(-2), out[1], out[2]) if cached else out.flatten(-2)
+
+    def mlp_block(self, attn, w_o, b_o, residual, w_norm, w_gate_up, w_down, w_out_norm, *, eps):
+        out = self.native.mlp_block(attn, w_o, b_o, residual, w_norm, w_gate_up, w_down, w_out_norm, eps)
+        if out is not None:
+            return out
+        normed, total = self.rows.add_rms_norm(residual, F.linear(attn, w_o, b_o), w_norm, eps=eps)
+        down = F.linear(self.rows.swiglu(F.linear(normed, w_gate_up)), w_down)
+        return self.rows.add_rms_norm(total, down, w_out_norm, eps=eps)
+
+
 def linear_wq(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
     """x (q)^T * s (+ b): ``ir.ops.linear_wq`` with the scale moved past the matmul (the same
     product; rounding differs at the dtype's last bit)."""

@@ -6,6 +6,11 @@
  * one pass over float32 memory. Same formulas as the IR's reference semantics (ir/ops.py);
  * only the rounding of the sums differs. Compiled and loaded by backends/cpu/native.py.
  *
+ * The layer blocks at the end (dinfer_attention_block_f32, dinfer_mlp_block_f32) go further:
+ * a decoder layer's projections, norms, SwiGLU and attention in two calls, the matmuls through
+ * the BLAS torch itself links (MKL on x86 wheels; handed over by native.py as function
+ * pointers, with MKL's packed-B copies of small weights where it has them).
+ *
  * Layout conventions: strides are in elements; the last (head / feature) dimension is always
  * contiguous.
  */
@@ -14,8 +19,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
-int dinfer_native_abi(void) { return 4; }
+int dinfer_native_abi(void) { return 6; }
 
 /* Below this much work a kernel stays on the calling thread (an OpenMP fork costs about a
  * microsecond on torch's already-spinning pool): multiply-adds for attention, elements for the
@@ -35,6 +43,9 @@ int dinfer_native_openmp(void) {
     return 0;
 #endif
 }
+
+/* Whether kernels may split over threads (OpenMP build, and torch's runtime). */
+int dinfer_native_threaded(void) { return !single_thread && dinfer_native_openmp(); }
 
 /* Sum of squares with eight independent partial sums (vectorisable without reassociation). */
 static float sum_squares(const float *x, int64_t n) {
@@ -439,4 +450,167 @@ int dinfer_rope_attention_f32(const float *q, int64_t qb, int64_t qt, int64_t qh
         free(keys_t);
     }
     return failed ? -1 : 0;
+}
+
+
+/* ---------------------------------------------------------------- layer blocks
+ *
+ * A decoder layer of a dense model is about a dozen small ops between two attention calls;
+ * each costs a few microseconds of dispatch on top of its arithmetic. These two functions do
+ * the whole run in one call each, with the matmuls in torch's own BLAS. */
+
+typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
+                         const float *, const int *, const float *, const int *, const float *, float *, const int *);
+typedef void (*sgemm_compute_fn)(int, int, int, int, int, int, const float *, int, const float *, int, float, float *,
+                                 int);
+static sgemm_fn blas_sgemm = NULL;                  /* Fortran sgemm_ (column-major) */
+static sgemm_compute_fn blas_sgemm_compute = NULL;  /* MKL cblas_sgemm_compute, for packed B */
+
+void dinfer_set_blas(void *sgemm, void *sgemm_compute) {
+    blas_sgemm = (sgemm_fn)sgemm;
+    blas_sgemm_compute = (sgemm_compute_fn)sgemm_compute;
+}
+
+/* y = x W^T (+ bias) for W [n, k] (torch's linear layout). The output columns are split into
+ * one part per OpenMP thread (dinfer_linear_part), each a one-thread GEMM: at the few rows of a
+ * decoding step the BLAS's own threading barely scales (embedded model, 21 rows, 2 threads: MKL
+ * 1.2x one thread), whole parts do. packed: MKL's packed copy of each part's W^T (parts
+ * pointers, or NULL); used when the call runs on that many threads. */
+typedef struct {
+    const float *weight;
+    const float *const *packed;
+    const float *bias;
+    int64_t n, k, parts;
+} dinfer_linear;
+
+enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_PACKED = 151 };
+#define SPLIT_MIN_WORK (1 << 16) /* multiply-adds below which a projection stays on one thread */
+
+/* First output column of part t of nt (multiples of 16: whole vectors per part). */
+int64_t dinfer_linear_part(int64_t n, int64_t t, int64_t nt) { return t >= nt ? n : ((n * t / nt) & ~(int64_t)15); }
+
+static void gemm_columns(const dinfer_linear *L, const float *x, int m, int64_t n0, int64_t n1, const float *packed,
+                         float *y) {
+    int nn = (int)(n1 - n0), k = (int)L->k, ld = (int)L->n;
+    if (nn <= 0) return;
+    if (packed != NULL && blas_sgemm_compute != NULL) {
+        blas_sgemm_compute(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_PACKED, m, nn, k, x, k, packed, k, 0.0f, y + n0, ld);
+    } else { /* row-major y [m, n] = x [m, k] W^T is column-major y^T [n, m] = W [k, n]^T x^T [k, m] */
+        const float one = 1.0f, zero = 0.0f;
+        blas_sgemm("T", "N", &nn, &m, &k, &one, L->weight + n0 * k, &k, x, &k, &zero, y + n0, &ld);
+    }
+}
+
+static void linear_rows(const dinfer_linear *L, const float *x, int64_t rows, float *y) {
+    int m = (int)rows;
+    int64_t n = L->n;
+    if (m == 0) return;
+    int nt = 1;
+#ifdef _OPENMP
+    if (!single_thread && !omp_in_parallel() && n >= 32 && rows * n * L->k >= SPLIT_MIN_WORK) nt = omp_get_max_threads();
+    if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+        {
+            int t = omp_get_thread_num(), got = omp_get_num_threads();
+            const float *packed = L->packed != NULL && L->parts == got ? L->packed[t] : NULL;
+            gemm_columns(L, x, m, dinfer_linear_part(n, t, got), dinfer_linear_part(n, t + 1, got), packed, y);
+        }
+    }
+#endif
+    if (nt == 1) gemm_columns(L, x, m, 0, n, L->packed != NULL && L->parts == 1 ? L->packed[0] : NULL, y);
+    if (L->bias != NULL)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < n; j++) y[r * n + j] += L->bias[j];
+}
+
+/* Q/K/V projection and attention of one layer (ir.ops.attention_block): qkv = x W^T (+ b),
+ * split into heads, then dinfer_rope_attention_f32 reading q, k and v in place from the
+ * projection's rows. x [B, T, dim] contiguous; the rest as dinfer_rope_attention_f32. */
+typedef struct {
+    dinfer_linear qkv;
+    const float *q_norm, *k_norm;
+    int64_t heads, kv_heads, head_dim, rot;
+    float eps, scale;
+} dinfer_attention_plan;
+
+int dinfer_attention_block_f32(const dinfer_attention_plan *p, const float *x, int64_t B, int64_t T,
+                               const int64_t *pos, int64_t pb, int64_t pt, const float *cos_t, const float *sin_t,
+                               float *keys, float *values, const int64_t *slots, int64_t sb, int64_t S,
+                               const uint8_t *key_valid, float *out) {
+    if (blas_sgemm == NULL) return -2;
+    int64_t H = p->heads, KV = p->kv_heads, D = p->head_dim, N = p->qkv.n;
+    float *qkv = malloc((size_t)(B * T * N + 1) * sizeof(float));
+    if (qkv == NULL) return -1;
+    linear_rows(&p->qkv, x, B * T, qkv);
+    int rc = dinfer_rope_attention_f32(qkv, T * N, N, D, qkv + H * D, T * N, N, D, qkv + (H + KV) * D, T * N, N, D, pos,
+                                       pb, pt, cos_t, sin_t, p->rot, p->q_norm, p->k_norm, p->eps, B, T, H, KV, D, keys,
+                                       values, slots, sb, S, key_valid, p->scale, out);
+    free(qkv);
+    return rc;
+}
+
+/* Output projection, residual + RMSNorm, SwiGLU MLP, residual + RMSNorm (ir.ops.mlp_block):
+ * sum = residual + attn W_o^T (+ b_o); h = swiglu(rms_norm(sum) W_gu^T); total = sum + h W_d^T;
+ * normed = rms_norm(total) * out_norm. attn [rows, o.k], residual / normed / total [rows, dim]. */
+typedef struct {
+    dinfer_linear o, gate_up, down;
+    const float *norm, *out_norm;
+    int64_t dim, hidden;
+    float eps;
+} dinfer_mlp_plan;
+
+int dinfer_mlp_block_f32(const dinfer_mlp_plan *p, const float *attn, const float *residual, int64_t rows,
+                         float *normed, float *total) {
+    if (blas_sgemm == NULL) return -2;
+    int64_t D = p->dim, Hd = p->hidden;
+    float *scratch = malloc((size_t)(rows * (2 * D + 3 * Hd) + 1) * sizeof(float));
+    if (scratch == NULL) return -1;
+    float *proj = scratch, *mid = proj + rows * D, *gate_up = mid + rows * D, *act = gate_up + rows * 2 * Hd;
+    linear_rows(&p->o, attn, rows, proj);
+    dinfer_add_rms_norm_f32(residual, proj, p->norm, mid, total, rows, D, p->eps);
+    linear_rows(&p->gate_up, mid, rows, gate_up);
+    dinfer_swiglu_f32(gate_up, act, rows, Hd);
+    linear_rows(&p->down, act, rows, proj);
+    dinfer_add_rms_norm_f32(total, proj, p->out_norm, normed, total, rows, D, p->eps); /* in place: elementwise */
+    free(scratch);
+    return 0;
+}
+
+
+/* ---------------------------------------------------------------- commit decision
+ *
+ * One block step's greedy commit (dinfer_rt/strategies.py, the scheduler's device-side path):
+ * threshold: a row commits its masked slots with conf >= thr, and at least its best masked slot
+ * (the first on ties, like torch.argmax); top_k: its min(max(quota, 1), masked) best masked
+ * slots (ties to the lower slot, like a stable sort). Committed slots take x0 in x_block (row
+ * stride xs) and are marked in commit. conf, masked, x0, commit [B, L] contiguous. */
+void dinfer_commit_f32(const float *conf, const uint8_t *masked, const int64_t *quota, const int64_t *x0,
+                       int64_t *x_block, int64_t xs, uint8_t *commit, int64_t B, int64_t L, float thr, int top_k) {
+    for (int64_t r = 0; r < B; r++) {
+        const float *c = conf + r * L;
+        const uint8_t *m = masked + r * L;
+        uint8_t *out = commit + r * L;
+        int64_t n_masked = 0;
+        for (int64_t j = 0; j < L; j++) {
+            out[j] = 0;
+            n_masked += m[j] != 0;
+        }
+        if (n_masked == 0) continue;
+        int64_t want = 1;
+        if (top_k) {
+            want = quota[r] < 1 ? 1 : quota[r];
+            if (want > n_masked) want = n_masked;
+        } else {
+            for (int64_t j = 0; j < L; j++) out[j] = m[j] && c[j] >= thr;
+        }
+        for (int64_t k = 0; k < want; k++) { /* the best masked slot not yet taken, first on ties */
+            int64_t best = -1;
+            for (int64_t j = 0; j < L; j++)
+                if (m[j] && !(top_k && out[j]) && (best < 0 || c[j] > c[best])) best = j;
+            if (best < 0) break;
+            out[best] = 1;
+        }
+        for (int64_t j = 0; j < L; j++)
+            if (out[j]) x_block[r * xs + j] = x0[r * L + j];
+    }
 }

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from dinfer_rt import envs
+from dinfer_rt.backends.cpu import blas
 
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno")
@@ -40,7 +41,7 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-er
 # then shares with us (one thread pool). Without OpenMP support the build is retried without it.
 OPENMP_FLAGS = ("-fopenmp",)
 OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
-ABI = 4
+ABI = 6
 # The native attention core splits its (row, kv head) pairs over torch's OpenMP threads and reads
 # each key and value vector once per two query rows. Against native rotary + torch's SDPA, one
 # call, 2 threads: 52 keys, 6 heads of 32: 1 x 52 queries 53 vs 71 us, 50 rows x 20 queries 856 vs
@@ -65,7 +66,43 @@ _SIGNATURES = {
     + [_I] * 5
     + [_P, _P, _P, _I, _I, _P, _F, _P],
 }
-_RETURNS = {"dinfer_rope_attention_f32": ctypes.c_int}
+_SIGNATURES |= {
+    "dinfer_set_blas": [_P, _P],
+    "dinfer_attention_block_f32": [_P, _P, _I, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P, _P],
+    "dinfer_mlp_block_f32": [_P, _P, _P, _I, _P, _P],
+    "dinfer_commit_f32": [_P, _P, _P, _P, _P, _I, _P, _I, _I, _F, ctypes.c_int],
+    "dinfer_linear_part": [_I, _I, _I],
+    "dinfer_native_threaded": [],
+}
+_RETURNS = {
+    name: ctypes.c_int for name in ("dinfer_rope_attention_f32", "dinfer_attention_block_f32", "dinfer_mlp_block_f32")
+}
+_RETURNS |= {"dinfer_linear_part": _I, "dinfer_native_threaded": ctypes.c_int}
+
+
+class LinearPlan(ctypes.Structure):
+    """``dinfer_linear``: a projection's weight [n, k], MKL's packed copies of its ``parts``
+    column parts (an array of pointers, or NULL) and bias (or NULL)."""
+
+    _fields_ = [("weight", _P), ("packed", _P), ("bias", _P), ("n", _I), ("k", _I), ("parts", _I)]
+
+
+class AttentionPlan(ctypes.Structure):
+    """``dinfer_attention_plan``: one attention_block node's weights and attributes."""
+
+    _fields_ = [
+        ("qkv", LinearPlan), ("q_norm", _P), ("k_norm", _P), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
+        ("rot", _I), ("eps", _F), ("scale", _F),
+    ]  # fmt: skip
+
+
+class MlpPlan(ctypes.Structure):
+    """``dinfer_mlp_plan``: one mlp_block node's weights and attributes."""
+
+    _fields_ = [
+        ("o", LinearPlan), ("gate_up", LinearPlan), ("down", LinearPlan), ("norm", _P), ("out_norm", _P),
+        ("dim", _I), ("hidden", _I), ("eps", _F),
+    ]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -158,6 +195,9 @@ def _open(cc: str, version: str, flags: tuple[str, ...]) -> Native:
             fn.argtypes, fn.restype = args, _RETURNS.get(name)
     except (OSError, AttributeError) as e:
         return Native(None, f"loading {path} failed: {e}")
+    found = blas.find()
+    if found.sgemm is not None:
+        lib.dinfer_set_blas(found.sgemm, found.compute)
     if lib.dinfer_native_openmp():
         runtimes = _openmp_runtimes()
         if len(runtimes) > 1:  # ours is not torch's: two thread pools would fight for the cores
@@ -165,7 +205,8 @@ def _open(cc: str, version: str, flags: tuple[str, ...]) -> Native:
             how += f", one thread: a second OpenMP runtime ({', '.join(sorted(runtimes))})"
         else:
             how += ", OpenMP threads shared with torch"
-    return Native(lib, f"on ({version}, {how})")
+    blocks = f"layer blocks on {found.reason}" if found.sgemm is not None else f"no layer blocks: {found.reason}"
+    return Native(lib, f"on ({version}, {how}; {blocks})")
 
 
 def _openmp_runtimes() -> set[str]:
@@ -193,6 +234,16 @@ class NativeKernels:
         self._add_rms = lib.dinfer_add_rms_norm_f32
         self._rope = lib.dinfer_rope_qkv_f32
         self._attend = lib.dinfer_rope_attention_f32
+        self._attention_block = lib.dinfer_attention_block_f32
+        self._mlp_block = lib.dinfer_mlp_block_f32
+        self._commit = lib.dinfer_commit_f32
+        self._part = lib.dinfer_linear_part
+        self._threaded = bool(lib.dinfer_native_threaded())
+        found = blas.find()
+        self.blas = found if found.sgemm is not None else None  # None: no layer blocks
+        self.packed = blas.shared_packs()
+        self._plans: dict[tuple, tuple] = {}  # per fused node: (struct address, struct, its tensors)
+        self._keep: list = []  # the packed copies the plans point at
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         if not (_rows(x) and _rows(weight)) or weight.shape[0] != x.shape[-1]:
@@ -261,35 +312,139 @@ class NativeKernels:
         f32 = torch.float32
         b, t, h, d = q.shape
         kv = k.shape[2]
-        n = t if k_cache is None else k_cache.shape[1]
-        scores = b * t * h * n
-        if scores > (MAX_SHORT_KEY_SCORES if n <= MAX_NATIVE_KEYS else MAX_NATIVE_SCORES):
-            return None
-        if key_valid.dtype != torch.bool:
-            return None
-        if not key_valid.is_contiguous():
-            return None
-        qs, ks, vs, ps = q.stride(), k.stride(), v.stride(), positions.stride()
+        qs, ks, vs = q.stride(), k.stride(), v.stride()
         if q.dtype != f32 or k.dtype != f32 or v.dtype != f32 or qs[3] != 1 or ks[3] != 1 or vs[3] != 1:
             return None
-        if positions.dtype != torch.int64 or any(x is not None and not _rows(x) for x in (q_norm, k_norm)):
+        target = _attention_target(b, t, h, kv, d, positions, q_norm, k_norm, slots, k_cache, v_cache, key_valid)
+        if target is None:
             return None
-        if k_cache is None:
-            keys, values = torch.empty((b, t, kv, d), dtype=f32), torch.empty((b, t, kv, d), dtype=f32)
-            slot_ptr, sb = None, 0
-        else:
-            if not (_rows(k_cache) and _rows(v_cache)) or slots.dtype != torch.int64 or not slots.is_contiguous():
-                return None
-            keys, values = k_cache, v_cache
-            slot_ptr, sb = slots.data_ptr(), (t if slots.dim() == 2 else 0)
+        keys, values, slot_ptr, sb, n = target
+        ps = positions.stride()
         out = torch.empty((b, t, h, d), dtype=f32)
         failed = self._attend(
             q.data_ptr(), qs[0], qs[1], qs[2], k.data_ptr(), ks[0], ks[1], ks[2], v.data_ptr(), vs[0], vs[1], vs[2],
             positions.data_ptr(), ps[0], ps[1], cos.data_ptr(), sin.data_ptr(), cos.shape[1],
-            None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(), eps,
-            b, t, h, kv, d, keys.data_ptr(), values.data_ptr(), slot_ptr, sb, n, key_valid.data_ptr(), scale,
-            out.data_ptr(),
+            _ptr(q_norm), _ptr(k_norm), eps, b, t, h, kv, d, keys.data_ptr(), values.data_ptr(), slot_ptr, sb, n,
+            key_valid.data_ptr(), scale, out.data_ptr(),
         )  # fmt: skip
         if failed:
             raise MemoryError(f"native attention: no memory for its {d} x {n} key scratch")
         return out
+
+    # ------------------------------------------------------------ layer blocks
+    def attention_block(self, x, w, bias, key_valid, slots, positions, q_norm, k_norm, k_cache, v_cache, cos, sin, *,
+                        heads, kv_heads, scale, rotary_dim, eps):  # fmt: skip
+        """``attention_block`` (no block-causal rule) as one native call: out [B, T, heads * D].
+        None when not handled (the caller composes the op from the other kernels)."""
+        b, t = x.shape[:2]
+        d = w.shape[0] // (heads + 2 * kv_heads)
+        if self.blas is None or not (_rows(x) and _rows(w)) or x.dim() != 3 or b * t >= 1 << 31:
+            return None
+        target = _attention_target(
+            b, t, heads, kv_heads, d, positions, q_norm, k_norm, slots, k_cache, v_cache, key_valid
+        )
+        if target is None or (bias is not None and not _rows(bias)):
+            return None
+        keys, values, slot_ptr, sb, n = target
+        key = (id(w), id(bias), id(q_norm), id(k_norm), heads, kv_heads, d, rotary_dim, eps, scale)
+        plan = self._plans.get(key)
+        if plan is None:
+            struct = AttentionPlan(
+                self._linear(w, bias), _ptr(q_norm), _ptr(k_norm), heads, kv_heads, d, rotary_dim, eps, scale
+            )
+            plan = self._plans[key] = (ctypes.addressof(struct), struct, w, bias, q_norm, k_norm)
+        ps = positions.stride()
+        out = torch.empty((b, t, heads * d), dtype=torch.float32)
+        failed = self._attention_block(
+            plan[0], x.data_ptr(), b, t, positions.data_ptr(), ps[0], ps[1], cos.data_ptr(), sin.data_ptr(),
+            keys.data_ptr(), values.data_ptr(), slot_ptr, sb, n, key_valid.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError(f"native attention_block: no memory for its scratch ({b} x {t} rows, {n} keys)")
+        return out
+
+    def mlp_block(self, attn, w_o, b_o, residual, w_norm, w_gate_up, w_down, w_out_norm, eps):
+        """``mlp_block`` as one native call: (normed, residual stream), or None when not handled."""
+        tensors = (attn, w_o, residual, w_norm, w_gate_up, w_down, w_out_norm)
+        if self.blas is None or not all(_rows(x) for x in tensors) or (b_o is not None and not _rows(b_o)):
+            return None
+        dim, hidden = residual.shape[-1], w_down.shape[1]
+        rows = residual.numel() // max(dim, 1)
+        if attn.numel() != rows * w_o.shape[1] or attn.shape[:-1] != residual.shape[:-1] or rows >= 1 << 31:
+            return None
+        key = (id(w_o), id(b_o), id(w_norm), id(w_gate_up), id(w_down), id(w_out_norm), eps)
+        plan = self._plans.get(key)
+        if plan is None:
+            struct = MlpPlan(
+                self._linear(w_o, b_o), self._linear(w_gate_up, None), self._linear(w_down, None),
+                w_norm.data_ptr(), w_out_norm.data_ptr(), dim, hidden, eps,
+            )  # fmt: skip
+            plan = self._plans[key] = (ctypes.addressof(struct), struct, *tensors[1:], b_o)
+        normed, total = torch.empty_like(residual), torch.empty_like(residual)
+        failed = self._mlp_block(
+            plan[0], attn.data_ptr(), residual.data_ptr(), rows, normed.data_ptr(), total.data_ptr()
+        )
+        if failed:
+            raise MemoryError(f"native mlp_block: no memory for its scratch ({rows} rows x {hidden} hidden)")
+        return normed, total
+
+    # ------------------------------------------------------------ commit decision
+    def commit(self, conf, masked, quota, x0, x_block, *, rule: str, threshold: float = 0.9) -> torch.Tensor:
+        """The scheduler's device-side commit (``Backend.commit_kernel``) as one native call:
+        writes the committed ``x0`` into ``x_block`` ([B, L] view of the sequence) and returns
+        the [B, L] commit mask; the same decisions as ``strategies`` threshold / low_confidence."""
+        if rule not in ("top_k", "threshold"):
+            raise ValueError(f"commit: unknown rule {rule!r} (top_k, threshold)")
+        b, n = conf.shape
+        if x_block.dtype != torch.int64 or x_block.stride(-1) != 1 or tuple(x_block.shape) != (b, n):
+            raise ValueError(f"commit: x_block must be an int64 [{b}, {n}] view with unit stride in L")
+        masked, quota, x0 = masked.bool().contiguous(), quota.long().contiguous(), x0.long().contiguous()
+        if conf.dtype != torch.float32:  # a float64 model: decide at its precision
+            from dinfer_rt import strategies
+
+            pick = strategies._top_quota if rule == "top_k" else strategies.threshold_commit
+            out = pick(conf, masked, quota) if rule == "top_k" else pick(conf, masked, threshold)
+            x_block.copy_(torch.where(out, x0, x_block))
+            return out
+        conf = conf.contiguous()
+        out = torch.empty((b, n), dtype=torch.bool)
+        self._commit(
+            conf.data_ptr(), masked.data_ptr(), quota.data_ptr(), x0.data_ptr(), x_block.data_ptr(),
+            x_block.stride(0), out.data_ptr(), b, n, threshold, rule == "top_k",
+        )  # fmt: skip
+        return out
+
+    def _linear(self, w: torch.Tensor, bias: torch.Tensor | None) -> LinearPlan:
+        """A projection's plan, packed in the parts the GEMM splits its columns into on this
+        many threads (the split is native.c's ``dinfer_linear_part``)."""
+        nt = torch.get_num_threads() if self._threaded else 1
+        bounds = tuple(self._part(w.shape[0], t, nt) for t in range(nt + 1))
+        packed = self.packed.get(w, bounds)
+        if packed is None:
+            return LinearPlan(w.data_ptr(), None, _ptr(bias), w.shape[0], w.shape[1], 0)
+        table = (ctypes.c_void_p * len(packed))(*(p.data_ptr() for p in packed))
+        self._keep.append((packed, table))
+        return LinearPlan(w.data_ptr(), ctypes.addressof(table), _ptr(bias), w.shape[0], w.shape[1], len(packed))
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _attention_target(b, t, h, kv, d, positions, q_norm, k_norm, slots, k_cache, v_cache, key_valid):
+    """Where a native attention call writes its keys / values and which slots: (keys, values,
+    slot pointer, slot row stride, key count), or None when the layout is not one it reads or
+    the call is too big for the native core (long keys in a big call: SDPA's territory)."""
+    n = t if k_cache is None else k_cache.shape[1]
+    if b * t * h * n > (MAX_SHORT_KEY_SCORES if n <= MAX_NATIVE_KEYS else MAX_NATIVE_SCORES):
+        return None
+    if key_valid.dtype != torch.bool or not key_valid.is_contiguous() or tuple(key_valid.shape) != (b, n):
+        return None
+    if positions.dtype != torch.int64 or any(x is not None and not _rows(x) for x in (q_norm, k_norm)):
+        return None
+    if k_cache is None:
+        f32 = torch.float32
+        return torch.empty((b, t, kv, d), dtype=f32), torch.empty((b, t, kv, d), dtype=f32), None, 0, n
+    if not (_rows(k_cache) and _rows(v_cache)) or slots.dtype != torch.int64 or not slots.is_contiguous():
+        return None
+    return k_cache, v_cache, slots.data_ptr(), (t if slots.dim() == 2 else 0), n

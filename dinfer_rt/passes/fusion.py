@@ -185,12 +185,115 @@ FOLD_ROUTING_INTO_MOE = Rule(
 """moe_experts(x, router(linear(cast(x), Wr)), ...) -> moe_routed(x, Wr, ...): routing and
 expert grouping in one op (legal when the router's outputs feed only this MoE)."""
 
+
+def _attention_block(m: Site) -> bool:
+    attn, lin = m["attn.node"], m["qkv.node"]
+    parts = m["sq.node"]
+    if lin.op != "linear" or not (m["sk.node"] is parts is m["sv.node"]) or len(parts.outputs) != 3:
+        return False
+    if [m["sq"], m["sk"], m["sv"]] != parts.outputs or parts.inputs[0] is not m["qkv"]:
+        return False  # q, k, v must be the split's pieces in order
+    heads, kv = m["hq.node"].attrs["heads"], m["hk.node"].attrs["heads"]
+    if m["hv.node"].attrs["heads"] != kv or not m.single_use(
+        m["qkv"], m["sq"], m["sk"], m["sv"], m["hq"], m["hk"], m["hv"]
+    ):
+        return False
+    if not m.single_use(m["attn"]):
+        return False
+    bias = _bias(lin)
+    inputs = [m["x"], m["w"], bias, *attn.inputs[3:10]]
+    fused = m.insert(
+        "attention_block", inputs, m.index(attn), sizes=parts.attrs["sizes"], heads=heads, kv_heads=kv, **attn.attrs
+    )
+    m.replace(
+        [m.node.outputs[0], *attn.outputs[1:]],
+        fused.outputs,
+        [m.node, attn, m["hq.node"], m["hk.node"], m["hv.node"], parts, lin],
+    )
+    return True
+
+
+ATTENTION_BLOCK = Rule(
+    P(
+        "merge_heads",
+        P(
+            "rope_attention",
+            P(
+                "view_heads",
+                P("split", P("linear", P(name="x"), P(name="w", kind="param"), name="qkv"), name="sq"),
+                name="hq",
+            ),
+            P("view_heads", P("split", name="sk"), name="hk"),
+            P("view_heads", P("split", name="sv"), name="hv"),
+            name="attn",
+        ),
+    ),
+    _attention_block,
+)
+"""merge_heads(rope_attention(view_heads(split(linear(x, Wqkv)))...)) -> attention_block(x, Wqkv, ...):
+a layer's projection and attention in one kernel (legal when every intermediate has no other user)."""
+
+
+def _projection(m: Site, v, *, bias_ok: bool):
+    """The ``linear`` node producing ``v`` with a parameter weight, read only there; else None."""
+    node = m.producer(v)
+    if node is None or node.op != "linear" or node.inputs[1].kind != "param" or not m.single_use(v):
+        return None
+    return node if bias_ok or not _biased(node) else None
+
+
+def _oriented(a, b, test):
+    """(a, b) or (b, a), whichever puts a value passing ``test`` first (add is commutative)."""
+    return next(((x, y) for x, y in ((a, b), (b, a)) if test(x)), None)
+
+
+def _mlp_block(m: Site) -> bool:
+    last = m.node
+
+    def first_norm_sum(v) -> bool:
+        node = m.producer(v)
+        return node is not None and node.op == "add_rms_norm" and node.outputs[1] is v
+
+    pair = _oriented(*last.inputs[:2], first_norm_sum)
+    if pair is None:
+        return False
+    total, down = pair
+    first = m.producer(total)
+    if first.attrs != last.attrs or not m.single_use(total, first.outputs[0]):
+        return False
+    down_lin = _projection(m, down, bias_ok=False)
+    act = m.producer(down_lin.inputs[0]) if down_lin else None
+    if act is None or act.op != "swiglu" or not m.single_use(act.outputs[0]):
+        return False
+    gate_up = _projection(m, act.inputs[0], bias_ok=False)
+    if gate_up is None or gate_up.inputs[0] is not first.outputs[0]:
+        return False
+    pair = _oriented(*first.inputs[:2], lambda v: _projection(m, v, bias_ok=True) is not None)
+    if pair is None:
+        return False
+    out_proj, residual = m.producer(pair[0]), pair[1]
+    inputs = [
+        out_proj.inputs[0], out_proj.inputs[1], _bias(out_proj), residual, first.inputs[2],
+        gate_up.inputs[1], down_lin.inputs[1], last.inputs[2],
+    ]  # fmt: skip
+    fused = m.insert("mlp_block", inputs, m.index(), **last.attrs)
+    m.replace(last.outputs, fused.outputs, [last, down_lin, act, gate_up, first, out_proj])
+    return True
+
+
+MLP_BLOCK = Rule(P("add_rms_norm", P(name="a"), P(name="b"), P(name="w", kind="param")), _mlp_block)
+"""add_rms_norm(s, linear(swiglu(linear(n, Wgu)), Wd)) with (n, s) = add_rms_norm(r, linear(a, Wo))
+-> mlp_block(a, Wo, r, ...): the rest of a dense layer in one kernel (legal when the first norm's
+outputs and every projection feed only this chain)."""
+
 add_rms_norm = rules_pass(ADD_RMS_NORM)
 merge_gate_up = rules_pass(MERGE_GATE_UP)
 merge_projections = rules_pass(MERGE_PROJECTIONS)
 lm_head_confidence = rules_pass(LM_HEAD_CONFIDENCE)
 fold_rope_into_attention = rules_pass(FOLD_ROPE_INTO_ATTENTION)
 fold_routing_into_moe = rules_pass(FOLD_ROUTING_INTO_MOE)
+fuse_attention_block = rules_pass(ATTENTION_BLOCK)
+fuse_mlp_block = rules_pass(MLP_BLOCK)
 
 
 def concat_type(values) -> TensorType:

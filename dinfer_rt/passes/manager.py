@@ -64,6 +64,8 @@ def default_pipeline() -> list[Pass]:
         Pass("lm_head_confidence", "fusion", fusion.lm_head_confidence, needs_ops=("lm_head_confidence",)),
         Pass("fold_rope_into_attention", "fusion", fusion.fold_rope_into_attention, needs_ops=("rope_attention",)),
         Pass("fold_routing_into_moe", "fusion", fusion.fold_routing_into_moe, needs_ops=("moe_routed",)),
+        Pass("fuse_attention_block", "fusion", fusion.fuse_attention_block, needs_ops=("attention_block",)),
+        Pass("fuse_mlp_block", "fusion", fusion.fuse_mlp_block, needs_ops=("mlp_block",)),
         Pass("dce_after_fusion", "cleanup", cleanup.dead_code),
         Pass("reorder_memory", "reorder", reorder.reorder),
     ]

@@ -203,6 +203,11 @@ def cases(quick: bool = False) -> list[OpCase]:
         _rope_attention_case("qknorm-pad", norms=True, cached=False, pad=3, theta=600000.0, rotary_dim=8),
         _rope_attention_case("cache-splice-pad", norms=False, cached=True, pad=4),
         _rope_attention_case("blockcausal-cache-pad", True, True, pad=4, block=4, theta=600000.0, rotary_dim=8),
+        _attention_block_case("bias-qknorm-cache-pad", bias=True, norms=True, cached=True, pad=4, rotary_dim=8),
+        _attention_block_case("gqa-pad", bias=False, norms=False, cached=False, pad=3),
+        _attention_block_case("blockcausal-cache", bias=False, norms=False, cached=True, block=4),
+        OpCase("mlp_block", "bias-odd", _mlp_block_inputs(bias=True), {"eps": 1e-6}, (0, 1, 2, 3, 4, 5, 6, 7)),
+        OpCase("mlp_block", "rows-1", _mlp_block_inputs(bias=False, rows=1), {"eps": 1e-5}, (0, 1, 3, 4, 5, 6, 7)),
         OpCase(
             "moe_routed",
             "softmax-e6k2",
@@ -275,6 +280,45 @@ def _rope_attention_inputs(norms: bool, cached: bool, pad: int = 0, block: bool 
         ins += [1 + 0.1 * _r(g, d), 1 + 0.1 * _r(g, d)] if norms else [None, None]
         ins += [_r(g, b, s, kv, d), _r(g, b, s, kv, d)] if cached else [None, None]
         return ins
+
+    return build
+
+
+def _attention_block_case(
+    bucket: str, bias: bool, norms: bool, cached: bool, pad: int = 0, block: int | None = None, rotary_dim: int = 16
+) -> OpCase:
+    """attention_block: x [2, 4, 40] through a merged Q/K/V projection (4 heads of 16, GQA 2),
+    then rope_attention's cases (QK-norm, cache, padding, blocks)."""
+    sizes = (64, 32, 32)
+    attrs = {
+        "sizes": sizes, "heads": 4, "kv_heads": 2, "scale": 0.25, "block_size": block, "theta": 10000.0,
+        "rotary_dim": rotary_dim, "eps": 1e-6,
+    }  # fmt: skip
+    attention = _rope_attention_inputs(norms, cached, pad, block is not None)
+
+    def build(g):
+        rest = attention(g)[3:]  # key_valid, token_index, positions, q/k norms, caches
+        x, w = _r(g, 2, 4, 40), _r(g, sum(sizes), 40, scale=40**-0.5)
+        return [x, w, _r(g, sum(sizes)) if bias else None, *rest]
+
+    floats = (0, 1) + ((2,) if bias else ()) + ((6, 7) if norms else ()) + ((8, 9) if cached else ())
+    return OpCase("attention_block", bucket, build, attrs, floats)
+
+
+def _mlp_block_inputs(bias: bool, rows: int = 5):
+    """mlp_block: attention output [2, rows, 36] -> o-proj to 40, SwiGLU over 2 x 52 hidden."""
+
+    def build(g):
+        return [
+            _r(g, 2, rows, 36),
+            _r(g, 40, 36, scale=36**-0.5),
+            _r(g, 40) if bias else None,
+            _r(g, 2, rows, 40),
+            1 + 0.1 * _r(g, 40),
+            _r(g, 2 * 52, 40, scale=40**-0.5),
+            _r(g, 40, 52, scale=52**-0.5),
+            1 + 0.1 * _r(g, 40),
+        ]
 
     return build
 
