@@ -1,6 +1,6 @@
 """The CPU layer blocks (``attention_block`` / ``mlp_block``: a dense decoder layer in two native
-calls with torch's BLAS): the float64 reference, the composed fallback, MKL's packed weights and
-their policy, and where the fusion passes fire."""
+calls): the float64 reference, the composed fallback, the panel GEMM and its packing policy, and
+where the fusion passes fire."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 import dinfer_rt
 from dinfer_rt import envs
-from dinfer_rt.backends.cpu import blas, native
+from dinfer_rt.backends.cpu import native
 from dinfer_rt.backends.cpu.kernels import AttentionKernels, LayerBlockKernels, NativeRowKernels
 from dinfer_rt.errors import ConfigError
 from dinfer_rt.ir import ops
@@ -128,39 +128,55 @@ def test_mlp_block_hands_other_layouts_to_the_composition(fast):
 
 @pytest.mark.parametrize("policy, packs_small, packs_big", [("small", True, False), ("all", True, True),
                                                             ("off", False, False)])  # fmt: skip
-def test_packed_weight_policy(monkeypatch, policy, packs_small, packs_big):
-    found = blas.find()
-    if found.compute is None:  # a torch without MKL: nothing is ever packed, and the reason says so
-        assert "no packed GEMM" in found.reason
-        return
+def test_panel_packing_policy(fast, monkeypatch, policy, packs_small, packs_big):
     monkeypatch.setenv(envs.DINFER_CPU_PACKED_WEIGHTS, policy)
-    packs = blas.PackedWeights(found)
+    panels = native.PanelWeights(native.load().lib)
     small = torch.randn(64, 32)
-    big = torch.randn(blas.SMALL_WEIGHT_BYTES // 4 // 128 + 1, 128)  # one row over the bound
-    assert (packs.get(small) is not None) == packs_small
-    assert (packs.get(big) is not None) == packs_big
-    assert packs.get(small) is packs.get(small)  # one copy per weight
+    big = torch.randn(native.SMALL_WEIGHT_BYTES // 4 // 128 + 1, 128)  # one row over the bound
+    assert (panels.get(small) is not None) == packs_small
+    assert (panels.get(big) is not None) == packs_big
+    assert panels.get(small) is panels.get(small)  # one copy per weight
 
 
-def test_packed_copy_is_dropped_with_its_weight():
-    packs = blas.PackedWeights(blas.find())
+def test_panel_copy_is_dropped_with_its_weight(fast):
+    panels = native.PanelWeights(native.load().lib)
     w = torch.randn(16, 16)
-    packs.get(w)
-    assert len(packs._packed) == 1
+    assert panels.get(w) is not None
+    assert len(panels._packed) == 1
     del w
-    assert not packs._packed
+    assert not panels._packed
 
 
-def test_bad_packed_weight_policy_names_the_variable(monkeypatch):
+def test_bad_packing_policy_names_the_variable(monkeypatch):
     monkeypatch.setenv(envs.DINFER_CPU_PACKED_WEIGHTS, "most")
     with pytest.raises(ConfigError, match=r"DINFER_CPU_PACKED_WEIGHTS='most' is not one of small, all, off"):
-        blas.pack_policy()
+        native.pack_policy()
+
+
+@pytest.mark.parametrize("rows, n, k", [(1, 33, 7), (6, 64, 48), (13, 100, 40), (40, 96, 300)])
+def test_panel_gemm_matches_float64(fast, monkeypatch, rows, n, k):
+    """Tiles of 6 rows and panels of 32 columns, with their remainders (n not a multiple of 32,
+    rows not of 6), one thread and split over threads: through mlp_block's output projection."""
+    monkeypatch.setenv(envs.DINFER_CPU_PACKED_WEIGHTS, "all")
+    g = torch.Generator().manual_seed(rows * n)
+    attn, residual = torch.randn(rows, k, generator=g), torch.randn(rows, n, generator=g)
+    w_o = torch.randn(n, k, generator=g) / k**0.5
+    w_gu, w_d = torch.randn(2 * 8, n, generator=g), torch.randn(n, 8, generator=g)
+    ones = torch.ones(n)
+    kernels = native.NativeKernels(native.load().lib)
+    kernels.panels = native.PanelWeights(native.load().lib)  # this test's policy, not the shared registry's
+    normed, total = kernels.mlp_block(attn, w_o, None, residual, ones, w_gu, w_d, ones, 1e-5)
+    assert kernels.panels.get(w_o) is not None  # the panel GEMM ran
+    want = ops.mlp_block(*(v.double() for v in (attn, w_o)), None, residual.double(), ones.double(),
+                         w_gu.double(), w_d.double(), ones.double(), eps=1e-5)  # fmt: skip
+    _close(normed, want[0])
+    _close(total, want[1])
 
 
 @pytest.mark.parametrize("policy", ["all", "off"])
 def test_packed_and_plain_blocks_agree_on_the_embedded_model(monkeypatch, policy):
     monkeypatch.setenv(envs.DINFER_CPU_PACKED_WEIGHTS, policy)
-    blas.shared_packs.cache_clear()
+    native._PANELS.clear()
     try:
         fused = dinfer_rt.load_model(EMBEDDED_MODEL)
         plain = dinfer_rt.load_model(EMBEDDED_MODEL, disable_passes=("fuse_attention_block", "fuse_mlp_block"))
@@ -168,7 +184,7 @@ def test_packed_and_plain_blocks_agree_on_the_embedded_model(monkeypatch, policy
         a, b = fused.forward(ids), plain.forward(ids)
         assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
     finally:
-        blas.shared_packs.cache_clear()
+        native._PANELS.clear()
 
 
 def _counts(model) -> dict:

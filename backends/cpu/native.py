@@ -27,6 +27,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ import torch
 
 from dinfer_rt import envs
 from dinfer_rt.backends.cpu import blas
+from dinfer_rt.errors import ConfigError
 
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno")
@@ -41,7 +43,7 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-er
 # then shares with us (one thread pool). Without OpenMP support the build is retried without it.
 OPENMP_FLAGS = ("-fopenmp",)
 OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
-ABI = 6
+ABI = 7
 # The native attention core splits its (row, kv head) pairs over torch's OpenMP threads and reads
 # each key and value vector once per two query rows. Against native rotary + torch's SDPA, one
 # call, 2 threads: 52 keys, 6 heads of 32: 1 x 52 queries 53 vs 71 us, 50 rows x 20 queries 856 vs
@@ -67,24 +69,24 @@ _SIGNATURES = {
     + [_P, _P, _P, _I, _I, _P, _F, _P],
 }
 _SIGNATURES |= {
-    "dinfer_set_blas": [_P, _P],
+    "dinfer_set_blas": [_P],
     "dinfer_attention_block_f32": [_P, _P, _I, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P, _P],
     "dinfer_mlp_block_f32": [_P, _P, _P, _I, _P, _P],
     "dinfer_commit_f32": [_P, _P, _P, _P, _P, _I, _P, _I, _I, _F, ctypes.c_int],
-    "dinfer_linear_part": [_I, _I, _I],
-    "dinfer_native_threaded": [],
+    "dinfer_panel_floats": [_I, _I],
+    "dinfer_pack_panels": [_P, _I, _I, _P],
 }
 _RETURNS = {
     name: ctypes.c_int for name in ("dinfer_rope_attention_f32", "dinfer_attention_block_f32", "dinfer_mlp_block_f32")
 }
-_RETURNS |= {"dinfer_linear_part": _I, "dinfer_native_threaded": ctypes.c_int}
+_RETURNS["dinfer_panel_floats"] = _I
 
 
 class LinearPlan(ctypes.Structure):
-    """``dinfer_linear``: a projection's weight [n, k], MKL's packed copies of its ``parts``
-    column parts (an array of pointers, or NULL) and bias (or NULL)."""
+    """``dinfer_linear``: a projection's weight [n, k], its panel-packed copy (or NULL: the
+    BLAS) and bias (or NULL)."""
 
-    _fields_ = [("weight", _P), ("packed", _P), ("bias", _P), ("n", _I), ("k", _I), ("parts", _I)]
+    _fields_ = [("weight", _P), ("panels", _P), ("bias", _P), ("n", _I), ("k", _I)]
 
 
 class AttentionPlan(ctypes.Structure):
@@ -197,7 +199,7 @@ def _open(cc: str, version: str, flags: tuple[str, ...]) -> Native:
         return Native(None, f"loading {path} failed: {e}")
     found = blas.find()
     if found.sgemm is not None:
-        lib.dinfer_set_blas(found.sgemm, found.compute)
+        lib.dinfer_set_blas(found.sgemm)
     if lib.dinfer_native_openmp():
         runtimes = _openmp_runtimes()
         if len(runtimes) > 1:  # ours is not torch's: two thread pools would fight for the cores
@@ -237,11 +239,9 @@ class NativeKernels:
         self._attention_block = lib.dinfer_attention_block_f32
         self._mlp_block = lib.dinfer_mlp_block_f32
         self._commit = lib.dinfer_commit_f32
-        self._part = lib.dinfer_linear_part
-        self._threaded = bool(lib.dinfer_native_threaded())
         found = blas.find()
         self.blas = found if found.sgemm is not None else None  # None: no layer blocks
-        self.packed = blas.shared_packs()
+        self.panels = shared_panels(lib)
         self._plans: dict[tuple, tuple] = {}  # per fused node: (struct address, struct, its tensors)
         self._keep: list = []  # the packed copies the plans point at
 
@@ -415,16 +415,9 @@ class NativeKernels:
         return out
 
     def _linear(self, w: torch.Tensor, bias: torch.Tensor | None) -> LinearPlan:
-        """A projection's plan, packed in the parts the GEMM splits its columns into on this
-        many threads (the split is native.c's ``dinfer_linear_part``)."""
-        nt = torch.get_num_threads() if self._threaded else 1
-        bounds = tuple(self._part(w.shape[0], t, nt) for t in range(nt + 1))
-        packed = self.packed.get(w, bounds)
-        if packed is None:
-            return LinearPlan(w.data_ptr(), None, _ptr(bias), w.shape[0], w.shape[1], 0)
-        table = (ctypes.c_void_p * len(packed))(*(p.data_ptr() for p in packed))
-        self._keep.append((packed, table))
-        return LinearPlan(w.data_ptr(), ctypes.addressof(table), _ptr(bias), w.shape[0], w.shape[1], len(packed))
+        panels = self.panels.get(w)
+        self._keep.append(panels)
+        return LinearPlan(w.data_ptr(), _ptr(panels), _ptr(bias), w.shape[0], w.shape[1])
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -448,3 +441,61 @@ def _attention_target(b, t, h, kv, d, positions, q_norm, k_norm, slots, k_cache,
     if not (_rows(k_cache) and _rows(v_cache)) or slots.dtype != torch.int64 or not slots.is_contiguous():
         return None
     return k_cache, v_cache, slots.data_ptr(), (t if slots.dim() == 2 else 0), n
+
+
+# ---------------------------------------------------------------- panel-packed weights
+
+SMALL_WEIGHT_BYTES = 1 << 20
+PACK_POLICIES = ("small", "all", "off")
+
+
+def pack_policy() -> str:
+    """``DINFER_CPU_PACKED_WEIGHTS``: which layer-block projections get a panel-packed copy."""
+    value = (os.environ.get(envs.DINFER_CPU_PACKED_WEIGHTS) or "small").strip().lower()
+    if value not in PACK_POLICIES:
+        raise ConfigError(
+            f"{envs.DINFER_CPU_PACKED_WEIGHTS}={value!r} is not one of {', '.join(PACK_POLICIES)} "
+            "(which layer-block projections get a panel-packed copy)"
+        )
+    return value
+
+
+class PanelWeights:
+    """The panel-packed copy (native.c's ``dinfer_pack_panels``: the layout the panel GEMM
+    reads) of each weight the policy packs, one per tensor for every executable of the process
+    (a model compiles several graph variants over the same weights), dropped with the tensor.
+
+    The copy costs the weight's bytes again, so by default only weights of at most
+    ``SMALL_WEIGHT_BYTES`` are packed: the small-model regime where the GEMM's speed is most of
+    a step and the extra memory is a few MB. ``all`` packs every fused projection (a 134M model:
+    +536 MB), ``off`` none (every matmul through the BLAS)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._size, self._pack = lib.dinfer_panel_floats, lib.dinfer_pack_panels
+        self._packed: dict[int, torch.Tensor | None] = {}
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+        key = id(weight)
+        if key in self._packed:
+            return self._packed[key]
+        policy = pack_policy()
+        small = weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES
+        panels = None
+        if _rows(weight) and weight.dim() == 2 and (policy == "all" or (policy == "small" and small)):
+            n, k = weight.shape
+            panels = torch.empty(self._size(n, k), dtype=torch.float32)
+            self._pack(weight.data_ptr(), n, k, panels.data_ptr())
+        self._packed[key] = panels
+        weakref.finalize(weight, self._packed.pop, key, None)
+        return panels
+
+
+_PANELS: dict[int, PanelWeights] = {}
+
+
+def shared_panels(lib: ctypes.CDLL) -> PanelWeights:
+    """The process's panel registry for this library (one, so every executable shares copies)."""
+    key = id(lib)
+    if key not in _PANELS:
+        _PANELS[key] = PanelWeights(lib)
+    return _PANELS[key]
