@@ -12,11 +12,12 @@ without its dual cache) at batch 1 and 50 on the same items in the same run. Wri
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
-import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -87,6 +88,7 @@ BATCH1 = [
     dict(strategy="threshold", cache="adaptive", block_length=8, threshold=0.9),
     dict(strategy="threshold", cache="adaptive", block_length=8, threshold=0.7),
     dict(strategy="threshold", cache="anchored", block_length=8, threshold=0.9),
+    dict(strategy="threshold", cache="anchored", block_length=8, threshold=0.7),
 ]
 
 
@@ -95,26 +97,24 @@ def label(cfg: dict) -> str:
     return f"{cfg['strategy']}/{cfg['cache']}/b{cfg['block_length']}" + (f" ({extra})" if extra else "")
 
 
-def run_baseline(model_dir: Path, items: list, batch: int, block_length: int, repeats: int, cache: bool) -> dict:
+def run_baseline(model_dir: Path, items: list, batch: int, block_length: int, cache: bool, plain=None) -> dict:
+    """One run of the Fast-dLLM-style baseline over ``items`` (``plain``: a loaded PlainLLaDA)."""
     from dinfer_rt.demo.train import BOS_ID, VOCAB
 
     inv = {i: c for c, i in VOCAB.items()}
-    plain = PlainLLaDA(model_dir)
-    walls = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        correct = tokens = forwards = 0
-        for i in range(0, len(items), batch):
-            chunk = items[i : i + batch]
-            prompt = torch.tensor([[BOS_ID] + [VOCAB[c] for c in it.prompt] for it in chunk])
-            out, nfe = generate(plain, prompt, 40, block_length, 0.9, cache=cache)
-            forwards += nfe * len(chunk)
-            tokens += out.numel()
-            for it, row in zip(chunk, out.tolist()):
-                text = "".join(inv[t] for t in row).split("<|endoftext|>")[0]
-                correct += task.check(it.letters, text)
-        walls.append(time.perf_counter() - start)
-    wall = statistics.median(walls)
+    plain = plain or PlainLLaDA(model_dir)
+    start = time.perf_counter()
+    correct = tokens = forwards = 0
+    for i in range(0, len(items), batch):
+        chunk = items[i : i + batch]
+        prompt = torch.tensor([[BOS_ID] + [VOCAB[c] for c in it.prompt] for it in chunk])
+        out, nfe = generate(plain, prompt, 40, block_length, 0.9, cache=cache)
+        forwards += nfe * len(chunk)
+        tokens += out.numel()
+        for it, row in zip(chunk, out.tolist()):
+            text = "".join(inv[t] for t in row).split("<|endoftext|>")[0]
+            correct += task.check(it.letters, text)
+    wall = time.perf_counter() - start
     return {
         "config": f"Fast-dLLM-style baseline ({'dual' if cache else 'no'} cache, threshold 0.9, b{block_length})",
         "system": "baseline",
@@ -167,14 +167,30 @@ def targets(rows: list[dict]) -> list[str]:
     return out
 
 
-def run_configs(llm: LLM, configs: list[dict], batch: int, limit: int, repeats: int) -> list[dict]:
-    rows = []
-    for cfg in tqdm(configs, desc=f"sweep, batch {batch}"):
-        params = SamplingParams(batch_size=batch, early_stop=False, **cfg)
-        runs = [evaluate(llm, params, limit=limit) for _ in range(repeats)]
-        r = sorted(runs, key=lambda x: x.wall_s)[len(runs) // 2]  # the median-time run (accuracy is deterministic)
-        rows.append({"config": label(cfg), "system": "dinfer-rt", "batch": batch, **cfg, **r.as_dict()})
-        tqdm.write(f"{label(cfg):60s} b{batch} acc {r.accuracy:.3f} tpf {r.tpf:.2f} {r.tokens_per_s:.0f} tok/s")
+def dinfer_run(llm: LLM, cfg: dict, batch: int, limit: int) -> Callable[[], dict]:
+    params = SamplingParams(batch_size=batch, early_stop=False, **cfg)
+
+    def run() -> dict:
+        r = evaluate(llm, params, limit=limit)
+        return {"config": label(cfg), "system": "dinfer-rt", "batch": batch, **cfg, **r.as_dict()}
+
+    return run
+
+
+def in_rounds(runs: list[Callable[[], dict]], repeats: int) -> list[dict]:
+    """Every run once per round, ``repeats`` rounds, and per run the median-time result
+    (accuracy is deterministic): the machine's drift over the sweep then lands on every row
+    alike instead of on whichever rows ran last (the baselines, whose ratios are the targets)."""
+    results: list[list[dict]] = [[] for _ in runs]
+    with tqdm(total=len(runs) * repeats, desc="sweep") as bar:
+        for _ in range(repeats):
+            for i, run in enumerate(runs):
+                results[i].append(run())
+                bar.update()
+    rows = [sorted(rs, key=lambda r: r["wall_s"])[len(rs) // 2] for rs in results]
+    for r in rows:
+        speed = f"tpf {r['tpf']:.2f} {r['tokens_per_s']:.0f} tok/s"
+        tqdm.write(f"{r['config']:60s} b{r['batch']} acc {r['accuracy']:.3f} {speed}")
     return rows
 
 
@@ -190,12 +206,15 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     llm = LLM(args.model)
-    rows = run_configs(llm, QUICK if args.quick else CONFIGS, args.batch_size, args.limit, args.repeats)
-    rows += run_configs(llm, BATCH1, 1, args.limit_batch1, args.repeats)
+    plain = PlainLLaDA(args.model)
+    one, many = task.heldout(args.limit_batch1), task.heldout(args.limit)
+    runs = [dinfer_run(llm, cfg, args.batch_size, args.limit) for cfg in (QUICK if args.quick else CONFIGS)]
+    runs += [dinfer_run(llm, cfg, 1, args.limit_batch1) for cfg in BATCH1]
     for b in (8, 40):
-        rows.append(run_baseline(args.model, task.heldout(args.limit_batch1), 1, b, args.repeats, cache=False))
-        rows.append(run_baseline(args.model, task.heldout(args.limit), args.batch_size, b, args.repeats, cache=True))
-    rows.append(run_baseline(args.model, task.heldout(args.limit_batch1), 1, 8, args.repeats, cache=True))
+        runs.append(functools.partial(run_baseline, args.model, one, 1, b, False, plain))
+        runs.append(functools.partial(run_baseline, args.model, many, args.batch_size, b, True, plain))
+    runs.append(functools.partial(run_baseline, args.model, one, 1, 8, True, plain))
+    rows = in_rounds(runs, args.repeats)
     meta = {"torch_threads": torch.get_num_threads(), "repeats": args.repeats, "limit": args.limit}
     (args.out / "results.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     lines = [

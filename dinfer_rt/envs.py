@@ -29,8 +29,8 @@ DINFER_EXECUTOR = "DINFER_EXECUTOR"
 DINFER_CPU_NATIVE = "DINFER_CPU_NATIVE"
 """``0``: the CPU backend runs only torch kernels (no native C kernels are compiled or loaded)."""
 DINFER_CPU_PACKED_WEIGHTS = "DINFER_CPU_PACKED_WEIGHTS"
-"""CPU layer blocks: which projections get MKL's packed copy (about 2x their bytes resident):
-``small`` (default: weights up to 1 MiB), ``all``, ``off``."""
+"""CPU layer blocks: which projections get a panel-packed copy for the native GEMM (their bytes
+once more): ``small`` (default: weights up to 1 MiB), ``all``, ``off`` (every matmul via MKL)."""
 DINFER_MODEL = "DINFER_MODEL"
 """Default model folder for the CLI and ``LLM()``; unset means the embedded model."""
 

@@ -218,3 +218,25 @@ def test_without_native_kernels_the_layers_stay_apart(monkeypatch):
         assert "fuse_attention_block" not in model.pass_counts and "attention_block" not in _counts(model)
     finally:
         native.load.cache_clear()
+
+
+def test_a_weight_modified_in_place_is_packed_again(fast, monkeypatch):
+    """The panel copy and the plan are keyed on the weight's in-place version: never stale."""
+    monkeypatch.setenv(envs.DINFER_CPU_PACKED_WEIGHTS, "all")
+    g = torch.Generator().manual_seed(2)
+    attn, residual = torch.randn(5, 40, generator=g), torch.randn(5, 40, generator=g)
+    w_o, w_gu, w_d = (
+        torch.randn(40, 40, generator=g),
+        torch.randn(64, 40, generator=g),
+        torch.randn(40, 32, generator=g),
+    )
+    ones = torch.ones(40)
+    kernels = native.NativeKernels(native.load().lib)
+    kernels.panels = native.PanelWeights(native.load().lib)
+    kernels.mlp_block(attn, w_o, None, residual, ones, w_gu, w_d, ones, 1e-5)
+    w_o.mul_(-2.0)
+    normed, total = kernels.mlp_block(attn, w_o, None, residual, ones, w_gu, w_d, ones, 1e-5)
+    want = ops.mlp_block(attn.double(), w_o.double(), None, residual.double(), ones.double(), w_gu.double(),
+                         w_d.double(), ones.double(), eps=1e-5)  # fmt: skip
+    _close(normed, want[0])
+    _close(total, want[1])

@@ -336,23 +336,20 @@ class NativeKernels:
                         heads, kv_heads, scale, rotary_dim, eps):  # fmt: skip
         """``attention_block`` (no block-causal rule) as one native call: out [B, T, heads * D].
         None when not handled (the caller composes the op from the other kernels)."""
-        b, t = x.shape[:2]
         d = w.shape[0] // (heads + 2 * kv_heads)
-        if self.blas is None or not (_rows(x) and _rows(w)) or x.dim() != 3 or b * t >= 1 << 31:
+        weights = (w, bias, q_norm, k_norm)
+        key = (*_identity(weights), heads, kv_heads, d, rotary_dim, eps, scale)
+        plan = self._plans.get(key)
+        if plan is None:  # first call with these weights (or they changed in place)
+            plan = self._plans[key] = self._attention_plan(w, bias, q_norm, k_norm, heads, kv_heads, d, rotary_dim,
+                                                           eps, scale)  # fmt: skip
+        if not plan or not _rows(x) or x.dim() != 3 or x.shape[0] * x.shape[1] >= 1 << 31:
             return None
-        target = _attention_target(
-            b, t, heads, kv_heads, d, positions, q_norm, k_norm, slots, k_cache, v_cache, key_valid
-        )
-        if target is None or (bias is not None and not _rows(bias)):
+        b, t = x.shape[:2]
+        target = _attention_target(b, t, heads, kv_heads, d, positions, None, None, slots, k_cache, v_cache, key_valid)
+        if target is None:
             return None
         keys, values, slot_ptr, sb, n = target
-        key = (id(w), id(bias), id(q_norm), id(k_norm), heads, kv_heads, d, rotary_dim, eps, scale)
-        plan = self._plans.get(key)
-        if plan is None:
-            struct = AttentionPlan(
-                self._linear(w, bias), _ptr(q_norm), _ptr(k_norm), heads, kv_heads, d, rotary_dim, eps, scale
-            )
-            plan = self._plans[key] = (ctypes.addressof(struct), struct, w, bias, q_norm, k_norm)
         ps = positions.stride()
         out = torch.empty((b, t, heads * d), dtype=torch.float32)
         failed = self._attention_block(
@@ -363,23 +360,28 @@ class NativeKernels:
             raise MemoryError(f"native attention_block: no memory for its scratch ({b} x {t} rows, {n} keys)")
         return out
 
+    def _attention_plan(self, w, bias, q_norm, k_norm, heads, kv_heads, d, rotary_dim, eps, scale) -> tuple:
+        """(struct address, struct, the tensors it points at), or () when the weights are not a
+        layout the native block reads (checked once per weight set, not per call)."""
+        if self.blas is None or not _rows(w) or any(v is not None and not _rows(v) for v in (bias, q_norm, k_norm)):
+            return ()
+        struct = AttentionPlan(self._linear(w, bias), _ptr(q_norm), _ptr(k_norm), heads, kv_heads, d, rotary_dim, eps,
+                               scale)  # fmt: skip
+        return (ctypes.addressof(struct), struct, w, bias, q_norm, k_norm)
+
     def mlp_block(self, attn, w_o, b_o, residual, w_norm, w_gate_up, w_down, w_out_norm, eps):
         """``mlp_block`` as one native call: (normed, residual stream), or None when not handled."""
-        tensors = (attn, w_o, residual, w_norm, w_gate_up, w_down, w_out_norm)
-        if self.blas is None or not all(_rows(x) for x in tensors) or (b_o is not None and not _rows(b_o)):
+        weights = (w_o, b_o, w_norm, w_gate_up, w_down, w_out_norm)
+        key = (*_identity(weights), eps)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._mlp_plan(*weights, eps)
+        if not plan or not (_rows(attn) and _rows(residual)):
             return None
         dim, hidden = residual.shape[-1], w_down.shape[1]
         rows = residual.numel() // max(dim, 1)
         if attn.numel() != rows * w_o.shape[1] or attn.shape[:-1] != residual.shape[:-1] or rows >= 1 << 31:
             return None
-        key = (id(w_o), id(b_o), id(w_norm), id(w_gate_up), id(w_down), id(w_out_norm), eps)
-        plan = self._plans.get(key)
-        if plan is None:
-            struct = MlpPlan(
-                self._linear(w_o, b_o), self._linear(w_gate_up, None), self._linear(w_down, None),
-                w_norm.data_ptr(), w_out_norm.data_ptr(), dim, hidden, eps,
-            )  # fmt: skip
-            plan = self._plans[key] = (ctypes.addressof(struct), struct, *tensors[1:], b_o)
         normed, total = torch.empty_like(residual), torch.empty_like(residual)
         failed = self._mlp_block(
             plan[0], attn.data_ptr(), residual.data_ptr(), rows, normed.data_ptr(), total.data_ptr()
@@ -387,6 +389,20 @@ class NativeKernels:
         if failed:
             raise MemoryError(f"native mlp_block: no memory for its scratch ({rows} rows x {hidden} hidden)")
         return normed, total
+
+    def _mlp_plan(self, w_o, b_o, w_norm, w_gate_up, w_down, w_out_norm, eps) -> tuple:
+        """As ``_attention_plan``, for one mlp_block node's weights."""
+        tensors = (w_o, w_norm, w_gate_up, w_down, w_out_norm)
+        if self.blas is None or not all(_rows(v) for v in tensors) or (b_o is not None and not _rows(b_o)):
+            return ()
+        dim, hidden = w_o.shape[0], w_down.shape[1]
+        if w_gate_up.shape != (2 * hidden, dim) or w_down.shape[0] != dim or w_norm.shape[0] != dim:
+            return ()
+        struct = MlpPlan(
+            self._linear(w_o, b_o), self._linear(w_gate_up, None), self._linear(w_down, None),
+            w_norm.data_ptr(), w_out_norm.data_ptr(), dim, hidden, eps,
+        )  # fmt: skip
+        return (ctypes.addressof(struct), struct, *tensors, b_o)
 
     # ------------------------------------------------------------ commit decision
     def commit(self, conf, masked, quota, x0, x_block, *, rule: str, threshold: float = 0.9) -> torch.Tensor:
@@ -418,6 +434,12 @@ class NativeKernels:
         panels = self.panels.get(w)
         self._keep.append(panels)
         return LinearPlan(w.data_ptr(), _ptr(panels), _ptr(bias), w.shape[0], w.shape[1])
+
+
+def _identity(tensors) -> tuple:
+    """Which tensors, in which state: ids and in-place versions (a plan and its packed copies
+    are rebuilt when a weight is modified in place, never read stale)."""
+    return tuple((id(t), t._version) if t is not None else None for t in tensors)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -472,10 +494,10 @@ class PanelWeights:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._size, self._pack = lib.dinfer_panel_floats, lib.dinfer_pack_panels
-        self._packed: dict[int, torch.Tensor | None] = {}
+        self._packed: dict[tuple[int, int], torch.Tensor | None] = {}
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
-        key = id(weight)
+        key = (id(weight), weight._version)  # modified in place: packed again
         if key in self._packed:
             return self._packed[key]
         policy = pack_policy()
