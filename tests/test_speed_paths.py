@@ -240,6 +240,23 @@ def test_cpu_confidence_head_paths_equal_the_reference(kind, chunk):
     assert torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("budget, chunks", [(1 << 20, 1), (12 * 10, 4)])
+def test_cpu_confidence_head_widens_its_chunk_to_the_logits_budget(monkeypatch, budget, chunks):
+    """12 rows x 40 vocabulary: one chunk under the default budget, 10-column chunks under a
+    budget of 120 logits; the reference's values either way."""
+    from dinfer_rt.backends.cpu import kernels
+
+    monkeypatch.setattr(kernels, "LOGITS_BUDGET", budget)
+    calls, linear = [], torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: calls.append(a[1].shape[0]) or linear(*a))
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(3, 4, 16, generator=g), torch.randn(40, 16, generator=g)
+    got = kernels.lm_head_confidence_budgeted(h, w, banned=8, kind="entropy", chunk=4)
+    assert len(calls) == chunks
+    want = ops.lm_head_confidence(h.double(), w.double(), banned=8, kind="entropy")
+    assert (got[0].double() - want[0]).abs().max() < 1e-5 and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("cache", ["none", "dual", "adaptive", "anchored"])
 @pytest.mark.parametrize("head", [True, False])
 def test_row_slices_of_a_big_forward_decode_like_one_forward(ckpt_dir, cache, head):

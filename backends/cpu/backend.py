@@ -47,7 +47,7 @@ class CpuBackend(Backend):
     def kernels(self) -> Mapping[str, Kernel]:
         kernels = {name: op.reference for name, op in OPS.items()}
         # The fused op whose point is memory: never build [positions x vocab] probabilities.
-        kernels["lm_head_confidence"] = cpu_kernels.lm_head_confidence_chunked
+        kernels["lm_head_confidence"] = cpu_kernels.lm_head_confidence_budgeted
         # Same semantics, less work per forward (angles and mask once per forward, not per layer;
         # float32 norms, SwiGLU and rotary + K/V writes in one native call each where native.c is built).
         lib = native.load().lib

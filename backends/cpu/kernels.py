@@ -73,6 +73,21 @@ def lm_head_confidence_chunked(
     raise OpTypeError(f"lm_head_confidence: unknown kind {kind!r} (max, margin, entropy)")
 
 
+LOGITS_BUDGET = 1 << 20
+"""Logit elements (4 MB in float32) the CPU head may hold at once: its chunk widens to
+``LOGITS_BUDGET // rows`` columns, so a decoding step's head with a mid-size vocabulary (134M
+checkpoint: 32 rows x 32000) is one chunk, a handful of ops instead of ~12 per chunk, and a big
+one (LLaDA-8B: 32 rows x 126464) still never builds its [positions x vocab] logits."""
+
+
+def lm_head_confidence_budgeted(
+    h: torch.Tensor, weight: torch.Tensor, *, banned: int, kind: str = "max", chunk: int = 8192
+):
+    """``lm_head_confidence_chunked`` with the chunk widened to the logits budget."""
+    rows = max(1, h.numel() // max(1, h.shape[-1]))
+    return lm_head_confidence_chunked(h, weight, banned=banned, kind=kind, chunk=max(chunk, LOGITS_BUDGET // rows))
+
+
 def _confidence_one_chunk(z: torch.Tensor, banned: int, kind: str):
     """The statistics of one vocabulary chunk directly (a handful of kernels, not the running
     online-softmax state): what small-vocabulary models pay per step."""
