@@ -344,8 +344,9 @@ class NativeRowKernels:
 class LayerBlockKernels:
     """``attention_block`` / ``mlp_block``: a dense decoder layer in two native calls (float32,
     contiguous, no block-causal rule, attention within the native core's limits), the matmuls in
-    torch's own BLAS; anything else is composed from this backend's other kernels (same values).
-    Shares the attention kernels' per-forward memos (rotary tables, slot checks)."""
+    native.c's panel GEMM (packed weights) or torch's own BLAS; anything else is composed from
+    this backend's other kernels (same values). Shares the attention kernels' per-forward memos
+    (rotary tables, slot checks)."""
 
     def __init__(self, attn: AttentionKernels, rows: NativeRowKernels) -> None:
         self.attn, self.rows, self.native = attn, rows, rows.native

@@ -589,19 +589,26 @@ typedef struct {
     float eps;
 } dinfer_mlp_plan;
 
+#define MLP_SLICE_ROWS 256 /* rows per pass: the scratch stays rows x (2 dim + 3 hidden) of these */
+
 int dinfer_mlp_block_f32(const dinfer_mlp_plan *p, const float *attn, const float *residual, int64_t rows,
                          float *normed, float *total) {
     if (blas_sgemm == NULL) return -2;
-    int64_t D = p->dim, Hd = p->hidden;
-    float *scratch = malloc((size_t)(rows * (2 * D + 3 * Hd) + 1) * sizeof(float));
+    int64_t D = p->dim, Hd = p->hidden, K = p->o.k;
+    int64_t slice = rows < MLP_SLICE_ROWS ? rows : MLP_SLICE_ROWS;
+    float *scratch = malloc((size_t)(slice * (2 * D + 3 * Hd) + 1) * sizeof(float));
     if (scratch == NULL) return -1;
-    float *proj = scratch, *mid = proj + rows * D, *gate_up = mid + rows * D, *act = gate_up + rows * 2 * Hd;
-    linear_rows(&p->o, attn, rows, proj);
-    dinfer_add_rms_norm_f32(residual, proj, p->norm, mid, total, rows, D, p->eps);
-    linear_rows(&p->gate_up, mid, rows, gate_up);
-    dinfer_swiglu_f32(gate_up, act, rows, Hd);
-    linear_rows(&p->down, act, rows, proj);
-    dinfer_add_rms_norm_f32(total, proj, p->out_norm, normed, total, rows, D, p->eps); /* in place: elementwise */
+    float *proj = scratch, *mid = proj + slice * D, *gate_up = mid + slice * D, *act = gate_up + slice * 2 * Hd;
+    for (int64_t r0 = 0; r0 < rows; r0 += slice) { /* rows are independent: a refresh of 1000+ rows in slices */
+        int64_t n = rows - r0 < slice ? rows - r0 : slice;
+        float *tot = total + r0 * D;
+        linear_rows(&p->o, attn + r0 * K, n, proj);
+        dinfer_add_rms_norm_f32(residual + r0 * D, proj, p->norm, mid, tot, n, D, p->eps);
+        linear_rows(&p->gate_up, mid, n, gate_up);
+        dinfer_swiglu_f32(gate_up, act, n, Hd);
+        linear_rows(&p->down, act, n, proj);
+        dinfer_add_rms_norm_f32(tot, proj, p->out_norm, normed + r0 * D, tot, n, D, p->eps); /* in place: elementwise */
+    }
     free(scratch);
     return 0;
 }

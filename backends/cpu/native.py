@@ -207,7 +207,11 @@ def _open(cc: str, version: str, flags: tuple[str, ...]) -> Native:
             how += f", one thread: a second OpenMP runtime ({', '.join(sorted(runtimes))})"
         else:
             how += ", OpenMP threads shared with torch"
-    blocks = f"layer blocks on {found.reason}" if found.sgemm is not None else f"no layer blocks: {found.reason}"
+    blocks = (
+        f"layer blocks: panel GEMM for packed weights ({envs.DINFER_CPU_PACKED_WEIGHTS}), {found.reason} for the rest"
+        if found.sgemm is not None
+        else f"no layer blocks: {found.reason}"
+    )
     return Native(lib, f"on ({version}, {how}; {blocks})")
 
 
