@@ -598,10 +598,28 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _leave_group(finished: bool) -> None:
+    """Under torchrun: wait for every rank (after a command that finished), then leave the
+    process group, so no rank's exit tears down a connection a peer still holds."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    try:
+        if finished:
+            dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # a peer already gone: nothing left to coordinate
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    finished = False
     try:
-        return args.func(args)
+        code = args.func(args)
+        finished = True
+        return code
     except DinferError as e:
         if args.debug:
             raise
@@ -613,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and closed early
         sys.stderr.close()
         return 0
+    finally:
+        _leave_group(finished)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,8 @@ def confidence_scaled(logits, *, banned, kind="max"):
     return score * (1 + 1e-3), token
 
 
-FUSED_OPS = {"add_rms_norm", "swiglu", "lm_head_confidence", "rope_attention", "moe_routed"}
+LAYER_BLOCKS = {"attention_block", "mlp_block"}  # composites of the other fused ops: they would hide a planted one
+FUSED_OPS = {"add_rms_norm", "swiglu", "lm_head_confidence", "rope_attention", "moe_routed"} | LAYER_BLOCKS
 
 
 def _faulty(name, op, kernel, keep_fused: bool):
@@ -77,7 +78,8 @@ def _faulty(name, op, kernel, keep_fused: bool):
             # A port without fused kernels (unless the fault is in one): no fusion applies, so the
             # faulty unfused kernel is the one the model runs.
             base = super().kernels()
-            unfused = base if keep_fused else {k: v for k, v in base.items() if k not in FUSED_OPS}
+            dropped = LAYER_BLOCKS if keep_fused else FUSED_OPS
+            unfused = {k: v for k, v in base.items() if k not in dropped}
             return {**unfused, op: kernel}
 
     Faulty.name = name
