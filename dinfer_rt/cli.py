@@ -598,21 +598,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _leave_group(finished: bool) -> None:
-    """Under torchrun: wait for every rank (after a command that finished), then leave the
-    process group, so no rank's exit tears down a connection a peer still holds."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return
-    try:
-        if finished:
-            dist.barrier()
-        dist.destroy_process_group()
-    except Exception:  # a peer already gone: nothing left to coordinate
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     finished = False
@@ -632,7 +617,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     finally:
-        _leave_group(finished)
+        if "torch.distributed" in sys.modules:  # a command that may have joined a process group
+            from dinfer_rt.parallel import leave_group
+
+            leave_group(wait=finished)
 
 
 if __name__ == "__main__":

@@ -185,6 +185,11 @@ def _join_data_parallel(backend) -> tuple[int, int]:
     if not dist.is_initialized():
         library = (backend.capabilities().collectives or "gloo").split()[0]  # "nccl (RCCL)" -> "nccl"
         dist.init_process_group(library, init_method="env://")
+        import atexit
+
+        from dinfer_rt.parallel import leave_group
+
+        atexit.register(leave_group, wait=False)  # join gloo's threads before interpreter shutdown
     return dist.get_rank(), dist.get_world_size()
 
 

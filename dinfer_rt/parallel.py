@@ -9,6 +9,8 @@ same bytes on every rank); rank 0's results are returned.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import io
 import os
 import queue
@@ -45,6 +47,7 @@ def init_group(backend_name: str | None, rank: int, world: int, tp_size: int | N
     bind_device(backend, int(os.environ.get("LOCAL_RANK", rank)))
     if not dist.is_initialized():
         dist.init_process_group(library, rank=rank, world_size=world)
+        atexit.register(leave_group, wait=False)
     tp = tp_size or world
     if tp == world:
         ops.COLLECTIVE_GROUPS["tp"] = dist.group.WORLD
@@ -58,6 +61,29 @@ def init_group(backend_name: str | None, rank: int, world: int, tp_size: int | N
         ops.COLLECTIVE_GROUPS.pop("tp", None)  # a replica of one rank: collectives are the identity
     else:
         ops.COLLECTIVE_GROUPS["tp"] = mine
+
+
+def leave_group(wait: bool = True) -> None:
+    """Leave every process group while the interpreter is still whole: wait for the other ranks
+    (``wait``), drop the IR's references to the groups and destroy them.
+
+    Why: gloo's worker threads release a finished collective's tensors (a Python decref) a little
+    after the collective returns. A group that outlives ``destroy_process_group`` (the IR holds it
+    in ``COLLECTIVE_GROUPS``) keeps those threads running into interpreter shutdown, where that
+    decref aborts the process ("terminate called without an active exception", SIGABRT).
+    Dropping the last reference joins the threads here. Idempotent; registered at exit by
+    ``init_group``."""
+    import torch.distributed as dist
+
+    ops.COLLECTIVE_GROUPS.clear()
+    if dist.is_initialized():
+        try:
+            if wait:
+                dist.barrier()
+            dist.destroy_process_group()
+        except Exception:  # a peer already gone: nothing left to coordinate
+            pass
+    gc.collect()  # a group caught in a reference cycle is freed (and its threads joined) now
 
 
 group_size = ops.group_size  # ranks in the group the IR's collectives use (1: none)
@@ -106,13 +132,7 @@ def _worker(rank, world, port, backend, fn, args, results, tp_size) -> None:
         where = traceback.extract_tb(e.__traceback__)[-1]
         results.put((rank, "error", f"{type(e).__name__}: {e} ({Path(where.filename).name}:{where.lineno})"))
     finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        leave_group(wait=False)
 
 
 def launch(
@@ -205,4 +225,5 @@ __all__ = [
     "group_size",
     "init_group",
     "launch",
+    "leave_group",
 ]
