@@ -51,6 +51,9 @@ CONFIGS = [
     dict(strategy="threshold", cache="anchored", block_length=8, threshold=0.7),
     dict(strategy="threshold", cache="anchored", block_length=8, threshold=0.9, refresh_bound=16),
     dict(strategy="threshold", cache="anchored", block_length=8, threshold=0.9, refresh_window=8),
+    dict(strategy="threshold", cache="delayed", block_length=8, threshold=0.9),
+    dict(strategy="threshold", cache="delayed", block_length=40, threshold=0.9),
+    dict(strategy="threshold", cache="delayed", block_length=40, threshold=0.9, refresh_bound=4),
     dict(strategy="factor", cache="none", block_length=40, factor=1.0),
     dict(strategy="factor", cache="none", block_length=40, factor=2.0),
     dict(strategy="hierarchical", cache="none", block_length=40, threshold=0.9, low_threshold=0.6),
@@ -73,6 +76,8 @@ QUICK = [
     dict(strategy="threshold", cache="adaptive", block_length=8, threshold=0.7),
     dict(strategy="threshold", cache="anchored", block_length=8, threshold=0.9),
     dict(strategy="threshold", cache="anchored", block_length=8, threshold=0.7),
+    dict(strategy="threshold", cache="delayed", block_length=8, threshold=0.9),
+    dict(strategy="threshold", cache="delayed", block_length=40, threshold=0.9),
     dict(strategy="factor", cache="none", block_length=40, factor=1.0),
     dict(strategy="credit", cache="none", block_length=40, threshold=0.9),
 ]
@@ -89,6 +94,8 @@ BATCH1 = [
     dict(strategy="threshold", cache="adaptive", block_length=8, threshold=0.7),
     dict(strategy="threshold", cache="anchored", block_length=8, threshold=0.9),
     dict(strategy="threshold", cache="anchored", block_length=8, threshold=0.7),
+    dict(strategy="threshold", cache="delayed", block_length=8, threshold=0.9),
+    dict(strategy="threshold", cache="delayed", block_length=40, threshold=0.9),
 ]
 
 
@@ -153,7 +160,7 @@ def targets(rows: list[dict]) -> list[str]:
                 f"| b{b}, dinfer-rt batch {batch} vs baseline (no cache, thr 0.9) batch 1: >= {want:.0f}x "
                 f"| {ratio:.2f}x ({top['config']}, acc {top['accuracy']:.3f}) | {'yes' if ratio >= want else 'no'} |"
             )
-    for policy, batch in itertools.product(("adaptive", "anchored"), (1, 50)):
+    for policy, batch in itertools.product(("adaptive", "anchored", "delayed"), (1, 50)):
         plain = find(system="dinfer-rt", config="threshold/none/b8 (threshold=0.9)", batch=batch)
         cached = find(system="dinfer-rt", config=f"threshold/{policy}/b8 (threshold=0.9)", batch=batch)
         if plain and cached:

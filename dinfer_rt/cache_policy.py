@@ -17,11 +17,18 @@ Policies on a bidirectional model (``docs/decoding.md`` has the measurements):
             ``refresh_window`` positions before it (default 0), and at a block's first step
             also the block just finished (its last commits were never computed); the generated
             prefix before that and the masked suffix are cached
-``adaptive`` and ``anchored`` also refresh every position once a row has committed
+  delayed   dKV-Cache's one-step delay: the request's first forward: every position; then
+            the prompt, the ``refresh_window`` positions before the block (default 0), the
+            block's slots still masked in some row and the slots the previous step committed
+            (their K/V, computed while they were masked, are recomputed once from their tokens,
+            then cached); committed slots, the generated prefix and the masked suffix are
+            cached. Where the decisions run on an accelerator without a host sync, the whole
+            block is computed (as ``anchored``), since which slots are masked lives there.
+``adaptive``, ``anchored`` and ``delayed`` also refresh every position once a row has committed
 ``refresh_bound`` tokens since the last refresh (0: every step, i.e. no-cache decoding; by
-default 16 for adaptive and never for anchored, whose masked suffix then keeps the K/V of the
-first forward: measured harmless on the embedded task, where the block start's full refresh
-is most of adaptive's cost).
+default 16 for adaptive and never for anchored and delayed, whose masked suffix then keeps the
+K/V of the first forward: measured harmless on the embedded task, where the block start's full
+refresh is most of adaptive's cost).
 
 Block-causal models (LLaDA2) never let earlier blocks see later ones, so every cached policy
 computes [previous block start, e) at a block's first step and [s, e) after it: exact.
@@ -57,13 +64,16 @@ def step_window(
     pending: int,
     block_causal: bool = False,
     prev_start: int | None = None,
+    active: tuple[int, ...] = (),
 ) -> tuple[Spans, bool]:
     """The spans one step of block [s, e) computes, and whether the commits counted since the
     last refresh restart (a full refresh, or a block start under ``adaptive``).
 
     ``forward``: this request's forwards so far, this one included (1: its first); ``pending``:
     the most tokens any of its rows committed since the last refresh; ``prev_start``: for a
-    block-causal model, the previous block's start (None before the first block)."""
+    block-causal model, the previous block's start (None before the first block); ``active``
+    (``delayed`` only): the positions whose K/V this step must compute besides the prompt, i.e.
+    the block's slots still masked in some row and the slots committed by the previous step."""
     full: Spans = ((0, n),)
     cache = p.cache
     if cache == "none" or (cache == "vicinity" and forward <= p.vicinity_warmup):
@@ -79,6 +89,11 @@ def step_window(
         if step == 0:
             before = min(before, max(0, s - p.block_length))
         return _merge([(0, prompt_len), (before, e)]), False
+    if cache == "delayed":
+        if forward == 1 or pending >= p.refresh_limit():
+            return full, True
+        before = max(0, s - (p.refresh_window or 0))
+        return _merge([(0, prompt_len), (before, s)] + [(q, q + 1) for q in active]), False
     if step == 0:
         return full, True
     if cache == "adaptive":

@@ -125,14 +125,15 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
         "--refresh-bound",
         type=int,
         default=d.refresh_bound,
-        help="adaptive / anchored cache: refresh all K/V once a row committed this many tokens since the last refresh",
+        help="adaptive / anchored / delayed cache: refresh all K/V once a row committed this many tokens since the "
+        "last refresh",
     )
     p.add_argument(
         "--refresh-window",
         type=int,
         default=d.refresh_window,
-        help="adaptive / anchored cache: positions before the block recomputed each step (default: adaptive the "
-        "whole prefix, anchored none besides the prompt)",
+        help="adaptive / anchored / delayed cache: positions before the block recomputed each step (default: "
+        "adaptive the whole prefix, anchored and delayed none besides the prompt)",
     )
     p.add_argument("--gen-length", type=int, default=d.gen_length)
     p.add_argument("--block-length", type=int, default=d.block_length)

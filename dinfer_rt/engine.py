@@ -180,6 +180,11 @@ def check_request(
             "precision_schedule: not served by the engine yet (LLM.generate has it); serve a quantised "
             "model with --quantization instead"
         )
+    if params.cache == "delayed":
+        raise GenerationError(
+            "cache 'delayed': not served by the engine yet (LLM.generate has it); serve with cache 'anchored', "
+            "which keeps the same accuracy on the embedded task"
+        )
     if block_size is not None and params.block_length != block_size:
         raise GenerationError(
             f"block_length {params.block_length}: this block-causal model is served with block_length "

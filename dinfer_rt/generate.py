@@ -5,7 +5,7 @@ One loop serves every backend: the model is only asked for logits at chosen posi
 position's argmax and one score, for the fused confidence head (``Model.confidence``); the
 cache buffers live in the runtime and the attention op splices fresh K/V into them in place.
 
-Cache policies (none, prefix, dual, vicinity, adaptive, anchored): ``cache_policy.py`` says
+Cache policies (none, prefix, dual, vicinity, adaptive, anchored, delayed): ``cache_policy.py`` says
 which positions each step computes; ``docs/decoding.md`` has their measured accuracy.
 On a bidirectional model the cached K/V outside the computed range go stale as tokens
 are committed (the approximation Fast-dLLM names); the benchmark measures its accuracy cost.
@@ -192,9 +192,9 @@ class _Forwarder:
         self.block_size = params.block_length if model.spec.block_causal else None
         self.cache = model.new_cache(batch, n) if params.cache != "none" else None
         self.prev_start: int | None = None
-        # adaptive / anchored cache: tokens each row committed since the last full refresh (not
+        # adaptive / anchored / delayed cache: tokens each row committed since the last full refresh (not
         # counted when no bound applies: on a device the count is a host sync per step)
-        counted = params.cache in ("adaptive", "anchored") and math.isfinite(params.refresh_limit())
+        counted = params.cache in ("adaptive", "anchored", "delayed") and math.isfinite(params.refresh_limit())
         self.pending = torch.zeros(batch, dtype=torch.long) if counted else None
         self.use_confidence = (
             params.confidence_head
@@ -203,7 +203,9 @@ class _Forwarder:
             and params.cfg_scale == 0
         )
         self.nfe = 0
-        self._windows: dict[tuple[Spans, int], tuple[torch.Tensor, int, int]] = {}
+        self.block_start = 0  # the block the last forward decoded
+        self.last_commits: tuple[int, ...] = ()  # delayed cache: positions the last step committed
+        self._windows: dict[tuple[Spans, int], tuple[torch.Tensor, int, torch.Tensor | int]] = {}
         self.step_s: list[float] = []
         # Greedy threshold / top-k decisions run on the device when the backend has a commit kernel.
         rules = {"threshold": "threshold", "low_confidence": "top_k"}
@@ -221,20 +223,26 @@ class _Forwarder:
         if self.device_rule == "threshold":
             self.commit = functools.partial(self.commit, threshold=params.threshold)
 
-    def _positions(self, spans: Spans, s: int) -> tuple[torch.Tensor, int, int]:
+    def _positions(self, spans: Spans, s: int, e: int) -> tuple[torch.Tensor, int, torch.Tensor | int]:
         """The spans' positions as one tensor (one per window: the model's and the kernels'
         per-forward memos keyed on it are then reused by every step that computes it), their
-        count, and the index of the block start ``s`` among them."""
+        count, and where the block [s, e) lies among them: the index of ``s`` when the whole
+        block is computed, else (``delayed``) the block slots computed."""
         key = (spans, s)
         if key not in self._windows:
             at = torch.cat([torch.arange(lo, hi) for lo, hi in spans])
-            self._windows[key] = (at, len(at), cache_policy.offset_of(spans, s))
+            whole = any(lo <= s and e <= hi for lo, hi in spans)
+            where = cache_policy.offset_of(spans, s) if whole else at[(at >= s) & (at < e)] - s
+            self._windows[key] = (at, len(at), where)
         return self._windows[key]
 
     def note_commits(self, commit: torch.Tensor) -> None:
-        """The scheduler's commits of the step just run (the adaptive and anchored policies count them)."""
+        """The scheduler's commits of the step just run (the adaptive, anchored and delayed
+        policies count them; delayed recomputes their K/V once more, now from their tokens)."""
         if self.pending is not None:
             self.pending += commit.sum(-1).cpu()
+        if self.params.cache == "delayed" and commit.device.type == "cpu":
+            self.last_commits = tuple((commit.any(0).nonzero().flatten() + self.block_start).tolist())
 
     def precision_for(self, masked: torch.Tensor, prompt_slots: int, step: int) -> str | None:
         """The schedule's weight format for this step (None: full precision): the masked fraction
@@ -255,6 +263,7 @@ class _Forwarder:
             self.refresh_next = True
         self.last_precision = precision
         out = self._step(x, s, e, step, precision)
+        self.block_start = s
         self.step_s.append(time.perf_counter() - t0)
         return out
 
@@ -263,11 +272,11 @@ class _Forwarder:
         m = self.model
         if self.params.cfg_scale > 0:
             return self._guided(x, precision)[:, s:e]
-        spans, cached = self._window(s, e, step, x.shape[1])
+        spans, cached = self._window(x, s, e, step)
         if cached and self.refresh_next:  # K/V written by low-precision forwards: recompute them all
             spans = ((0, x.shape[1]),)
         self.refresh_next = False
-        compute, width, offset = self._positions(spans, s)
+        compute, width, where = self._positions(spans, s, e)
         compute = compute if cached else None
         # Rows are run in slices of at most max_forward_tokens computed positions: a long refresh
         # of a big batch then holds a slice's activations, not the whole batch's (chunked prefill).
@@ -287,11 +296,18 @@ class _Forwarder:
                 parts.append(
                     m.forward(xs, attn, cache=cache, compute=compute, block_size=self.block_size, precision=precision)
                 )
-            return (torch.cat(parts) if len(parts) > 1 else parts[0])[:, offset : offset + e - s]
+            logits = torch.cat(parts) if len(parts) > 1 else parts[0]
+            if isinstance(where, int):
+                return logits[:, where : where + e - s]
+            # delayed: only the block's masked and just-committed slots were computed; the others
+            # are committed (the rules decide masked slots only), their logits left at zero
+            block = logits.new_zeros((logits.shape[0], e - s, logits.shape[2]))
+            block[:, where] = logits[:, torch.searchsorted(compute, where + s)]
+            return block
         # Confidence head: the LM head runs only where some row still has a mask (on the device
         # path, at every block slot: a fixed shape and no host sync to find them).
         if self.device_rule is not None:
-            select = torch.arange(s, e)
+            select = torch.arange(s, e) if isinstance(where, int) else where + s
         else:
             select = torch.arange(s, e)[(x[:, s:e] == m.mask_id).any(0)]
         score = strategies.SCORE_KIND[self.params.strategy]
@@ -312,20 +328,34 @@ class _Forwarder:
             )
         conf, token = outs[0] if len(outs) == 1 else (torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]))
         if self.device_rule is not None:
-            return token, conf
+            if isinstance(where, int):
+                return token, conf
+            # delayed: the uncomputed block slots are committed; the kernel reads masked ones only
+            full = token.new_full((x.shape[0], e - s), m.mask_id), conf.new_zeros((x.shape[0], e - s))
+            full[0][:, where], full[1][:, where] = token, conf
+            return full
         x0 = torch.full((x.shape[0], e - s), m.mask_id, dtype=torch.long)
         probs = torch.zeros((x.shape[0], e - s), dtype=conf.dtype)
         x0[:, select - s], probs[:, select - s] = token.cpu(), conf.cpu()
         return x0, probs
 
-    def _window(self, s: int, e: int, step: int, n: int) -> tuple[Spans, bool]:
+    def _window(self, x: torch.Tensor, s: int, e: int, step: int) -> tuple[Spans, bool]:
         """Spans of positions this step computes, and whether it reads and writes the cache."""
+        n = x.shape[1]
         if self.cache is None:
             return ((0, n),), False
         pending = int(self.pending.max()) if self.pending is not None else 0
+        active: tuple[int, ...] = ()
+        if self.params.cache == "delayed":
+            if self.device_rule is not None and x.device.type != "cpu":  # on a device: whole block, no sync
+                active = tuple(range(s if step else max(self.p_len, s - self.params.block_length), e))
+            else:
+                masked = (x[:, s:e] == self.model.mask_id).any(0).nonzero().flatten() + s
+                active = tuple(sorted(set(masked.tolist()) | set(self.last_commits)))
         spans, restart = cache_policy.step_window(
             self.params, s=s, e=e, n=n, prompt_len=self.p_len, step=step, forward=self.nfe,
             pending=pending, block_causal=self.model.spec.block_causal, prev_start=self.prev_start,
+            active=active,
         )  # fmt: skip
         if self.model.spec.block_causal and step == 0:
             self.prev_start = s

@@ -20,7 +20,7 @@ STRATEGIES = (
     "entropy",
 )
 MAX_STOP = 16
-CACHES = ("none", "prefix", "dual", "vicinity", "adaptive", "anchored")
+CACHES = ("none", "prefix", "dual", "vicinity", "adaptive", "anchored", "delayed")
 
 # field -> (type, lower bound, upper bound, lower bound exclusive); None: unbounded
 _FIELD_RULES: dict[str, tuple[type, float | None, float | None, bool]] = {
@@ -80,10 +80,11 @@ class SamplingParams:
     vicinity_before: int = 16
     vicinity_after: int = 16
     vicinity_warmup: int = 4
-    # adaptive/anchored cache: full refresh once a row committed this many tokens since the last (None: adaptive
-    # 16, anchored never)
+    # adaptive/anchored/delayed cache: full refresh once a row committed this many tokens since the last
+    # (None: adaptive 16, anchored and delayed never)
     refresh_bound: int | None = None
-    # adaptive/anchored cache: positions before the block recomputed each step (None: adaptive all, anchored 0)
+    # adaptive/anchored/delayed cache: positions before the block recomputed each step (None: adaptive all,
+    # anchored and delayed 0)
     refresh_window: int | None = None
     confidence_head: bool = True  # greedy threshold-style rules use the model's fused confidence head
     early_stop: bool = True
@@ -142,8 +143,8 @@ class SamplingParams:
         return self
 
     def refresh_limit(self) -> float:
-        """Commits since the last full refresh at which the adaptive / anchored caches refresh
-        every position (``refresh_bound``; by default 16 for adaptive, never for anchored)."""
+        """Commits since the last full refresh at which the adaptive / anchored / delayed caches
+        refresh every position (``refresh_bound``; by default 16 for adaptive, else never)."""
         if self.refresh_bound is not None:
             return self.refresh_bound
         return 16 if self.cache == "adaptive" else math.inf

@@ -9,11 +9,12 @@ from dinfer_rt.cache_policy import offset_of, step_window
 from dinfer_rt.sampling import SamplingParams
 
 
-def window(cache, *, s, step, forward, pending=0, n=52, prompt_len=12, block=8, **kw):
+def window(cache, *, s, step, forward, pending=0, n=52, prompt_len=12, block=8, active=(), **kw):
     p = SamplingParams(cache=cache, block_length=block, gen_length=40, **kw)
     return step_window(
-        p, s=s, e=min(s + block, n), n=n, prompt_len=prompt_len, step=step, forward=forward, pending=pending
-    )
+        p, s=s, e=min(s + block, n), n=n, prompt_len=prompt_len, step=step, forward=forward, pending=pending,
+        active=active,
+    )  # fmt: skip
 
 
 def test_anchored_computes_the_prompt_the_block_and_at_block_start_the_block_just_finished():
@@ -58,3 +59,18 @@ def test_offset_of_counts_the_positions_before_it_across_spans():
     assert offset_of(spans, 0) == 0 and offset_of(spans, 20) == 12 and offset_of(spans, 28) == 20
     with pytest.raises(ValueError, match="not in the computed spans"):
         offset_of(spans, 15)
+
+
+def test_delayed_computes_the_prompt_and_the_active_slots_only():
+    assert window("delayed", s=12, step=0, forward=1, active=(12, 13)) == (((0, 52),), True)  # fills the cache
+    # the prompt, then the masked / just-committed slots 14, 15 and 18 (merged where they touch)
+    assert window("delayed", s=12, step=2, forward=3, active=(14, 15, 18)) == (((0, 12), (14, 16), (18, 19)), False)
+    assert window("delayed", s=12, step=2, forward=3, active=(12, 13)) == (((0, 14),), False)  # touching the prompt
+    # a block's first step: the previous block's last commits (19) are recomputed with its masks
+    assert window("delayed", s=20, step=0, forward=5, active=(19, 20, 21, 22)) == (((0, 12), (19, 23)), False)
+    assert window("delayed", s=28, step=1, forward=9, active=(30,), refresh_window=3) == (
+        ((0, 12), (25, 28), (30, 31)),
+        False,
+    )
+    assert SamplingParams(cache="delayed").refresh_limit() == math.inf
+    assert window("delayed", s=28, step=1, forward=9, pending=4, refresh_bound=4, active=(30,)) == (((0, 52),), True)

@@ -165,6 +165,7 @@ def test_bad_requests_are_refused_at_submit(embedded, ckpt_dir):
     cases = [
         (ok, SamplingParams(threshold=2.0), {}, "threshold 2.0 must be in"),
         (ok, SamplingParams(cfg_scale=1.0), {}, "cfg_scale"),
+        (ok, SamplingParams(cache="delayed"), {}, "cache 'delayed': not served by the engine"),
         ([], SamplingParams(), {}, "prompt: at least one token"),
         ([99], SamplingParams(), {}, "token 0 is 99"),
         (ok, SamplingParams(gen_length=56, block_length=8), {}, "exceeds the max model length 64"),

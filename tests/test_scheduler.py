@@ -89,7 +89,7 @@ def test_batched_greedy_equals_each_prompt_alone(ckpt_dir):
 
 
 @pytest.mark.parametrize("name", ["llada", "dream", "llada_moe", "llada2"])
-@pytest.mark.parametrize("cache", ["none", "prefix", "dual", "vicinity", "adaptive", "anchored"])
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual", "vicinity", "adaptive", "anchored", "delayed"])
 def test_every_family_and_cache_policy_decodes_to_completion(ckpt_dir, name, cache):
     model = dinfer_rt.load_model(ckpt_dir(name))
     params = SamplingParams(
@@ -107,7 +107,7 @@ def test_every_family_and_cache_policy_decodes_to_completion(ckpt_dir, name, cac
     assert res.committed.tolist() == [8, 8]
 
 
-@pytest.mark.parametrize("cache", ["prefix", "dual", "adaptive", "anchored"])
+@pytest.mark.parametrize("cache", ["prefix", "dual", "adaptive", "anchored", "delayed"])
 def test_caches_are_exact_on_a_block_causal_model(ckpt_dir, cache):
     """On LLaDA2 (block-causal) earlier blocks never see later ones, so K/V cached at a block's start
     never go stale inside the block: cached decoding equals uncached decoding token for token.
@@ -200,7 +200,7 @@ def test_rule_invariants_over_random_logits(strategy, seed, length, batch, tempe
 
 @pytest.mark.parametrize("name", ["llada", "dream", "llada2"])
 @pytest.mark.parametrize("strategy", strategies.STATS_ONLY)
-@pytest.mark.parametrize("cache", ["none", "dual", "vicinity", "adaptive", "anchored"])
+@pytest.mark.parametrize("cache", ["none", "dual", "vicinity", "adaptive", "anchored", "delayed"])
 def test_confidence_head_equals_the_logits_path(ckpt_dir, name, strategy, cache):
     """Greedy threshold-style rules through the fused confidence head (LM head only at masked
     positions, no [positions x vocab] probabilities) commit exactly what the logits path commits."""

@@ -153,7 +153,7 @@ def _decode(model, prompts, **kw):
     return generate_batch(model, prompts, params)
 
 
-@pytest.mark.parametrize("cache", ["adaptive", "anchored"])
+@pytest.mark.parametrize("cache", ["adaptive", "anchored", "delayed"])
 @pytest.mark.parametrize("name", ["llada", "dream", "llada_moe"])
 def test_refreshing_caches_with_bound_zero_are_no_cache_decoding(ckpt_dir, name, cache):
     model = dinfer_rt.load_model(ckpt_dir(name))
@@ -164,7 +164,7 @@ def test_refreshing_caches_with_bound_zero_are_no_cache_decoding(ckpt_dir, name,
     assert plain.nfe == cached.nfe
 
 
-@pytest.mark.parametrize("cache", ["adaptive", "anchored"])
+@pytest.mark.parametrize("cache", ["adaptive", "anchored", "delayed"])
 def test_refreshing_caches_bound_zero_equal_no_cache_on_the_embedded_task(cache):
     llm = dinfer_rt.LLM()
     items = [it.letters for it in task.heldout(24)]
@@ -190,9 +190,46 @@ def test_adaptive_and_anchored_caches_keep_the_embedded_task_where_dual_breaks_i
     assert accuracy(cache="dual") <= 0.2
 
 
+def test_delayed_cache_computes_the_prompt_the_masked_slots_and_the_last_commits(ckpt_dir, monkeypatch):
+    """After the first (full) forward a delayed step computes the prompt, the block's masked slots
+    and the slots the previous step committed (their K/V once more, now from their tokens)."""
+    from dinfer_rt.model import Model
+
+    model = dinfer_rt.load_model(ckpt_dir("llada"))
+    seen, confidence = [], Model.confidence
+
+    def spy(self, x, attn=None, **kw):
+        seen.append((x.clone(), kw["compute"].tolist()))
+        return confidence(self, x, attn, **kw)
+
+    monkeypatch.setattr(Model, "confidence", spy)
+    p_len, n, block = 3, 11, 4
+    res = _decode(model, [[7, 8, 9]], cache="delayed")
+    assert res.nfe == len(seen) >= 3 and seen[0][1] == list(range(n))
+    for (before, _), (x, compute) in zip(seen, seen[1:]):
+        masked = (x[0] == model.mask_id).nonzero().flatten().tolist()
+        s = p_len + (masked[0] - p_len) // block * block
+        active = {q for q in masked if q < s + block} | set((before[0] != x[0]).nonzero().flatten().tolist())
+        assert compute == sorted(set(range(p_len)) | active)
+        assert len(compute) < n
+
+
+def test_delayed_cache_decides_the_same_with_the_native_commit_and_on_the_host(monkeypatch):
+    """The CPU backend's native commit kernel and the host rule see the same computed slots (the
+    batch's union of masked and just-committed slots), so they commit the same tokens."""
+    llm = dinfer_rt.LLM()
+    items = [it.letters for it in task.heldout(12)]
+    params = SamplingParams(strategy="threshold", cache="delayed", block_length=40, batch_size=12, early_stop=False)
+    assert llm.model.backend.commit_kernel() is not None  # native.c is built here
+    native = llm.generate(items, params)
+    monkeypatch.setattr(type(llm.model.backend), "commit_kernel", lambda self: None)
+    host = llm.generate(items, params)
+    assert [o.token_ids for o in native] == [o.token_ids for o in host]
+
+
 @settings(max_examples=12, deadline=None)
 @given(
-    cache=st.sampled_from(["adaptive", "anchored"]),
+    cache=st.sampled_from(["adaptive", "anchored", "delayed"]),
     bound=st.one_of(st.none(), st.integers(0, 10)),
     window=st.one_of(st.none(), st.integers(0, 6)),
     block=st.sampled_from([2, 4, 8]),
@@ -257,7 +294,7 @@ def test_cpu_confidence_head_widens_its_chunk_to_the_logits_budget(monkeypatch, 
     assert (got[0].double() - want[0]).abs().max() < 1e-5 and torch.equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("cache", ["none", "dual", "adaptive", "anchored"])
+@pytest.mark.parametrize("cache", ["none", "dual", "adaptive", "anchored", "delayed"])
 @pytest.mark.parametrize("head", [True, False])
 def test_row_slices_of_a_big_forward_decode_like_one_forward(ckpt_dir, cache, head):
     """``max_forward_tokens`` runs a batch's forward in row slices (each writing its rows of the
