@@ -94,7 +94,7 @@ class _Row:
 
     def __init__(self, req: Request, model: Model, slot: int) -> None:
         p = req.params
-        self.req, self.p, self.slot = req, p, slot
+        self.req, self.p, self.slot, self.mask_id = req, p, slot, model.mask_id
         self.p_len, self.n = len(req.prompt), len(req.prompt) + p.gen_length
         self.lb = p.block_length
         self.x = torch.cat((torch.tensor(req.prompt, dtype=torch.long), torch.full((p.gen_length,), model.mask_id)))
@@ -107,6 +107,8 @@ class _Row:
         self.nfe = 0
         self.pending = 0  # adaptive / anchored cache: tokens committed since the last full refresh
         self.prev_start: int | None = None  # block-causal cache: the previous block's start
+        self.last_commits: tuple[int, ...] = ()  # delayed cache: the slots the last step committed
+        self.pred_offsets: torch.Tensor | None = None  # delayed: the block offsets computed (None: all)
         self.s = (self.p_len // self.lb) * self.lb if model.spec.block_causal else self.p_len
         self._start_block(model.mask_id)
 
@@ -133,9 +135,13 @@ class _Row:
 
     def window(self, block_causal: bool) -> Spans:
         """Slots this step computes under the row's cache policy (``cache_policy.step_window``)."""
+        active: tuple[int, ...] = ()
+        if self.p.cache == "delayed":
+            masked = (self.x[self.s : self.e] == self.mask_id).nonzero().flatten() + self.s
+            active = tuple(sorted(set(masked.tolist()) | set(self.last_commits)))
         spans, restart = cache_policy.step_window(
             self.p, s=self.s, e=self.e, n=self.n, prompt_len=self.p_len, step=self.step, forward=self.nfe,
-            pending=self.pending, block_causal=block_causal, prev_start=self.prev_start,
+            pending=self.pending, block_causal=block_causal, prev_start=self.prev_start, active=active,
         )  # fmt: skip
         if block_causal and self.step == 0 and self.p.cache != "none":
             self.prev_start = self.s
@@ -148,16 +154,29 @@ class _Row:
         predict the block (the block itself; for Dream the slot before each), then the rest."""
         self.nfe += 1
         spans = self.window(block_causal)
+        self.pred_offsets = None
+        if not any(lo <= self.s and self.e <= hi for lo, hi in spans):  # delayed: part of the block
+            at = torch.cat([torch.arange(lo, hi) for lo, hi in spans])
+            self.pred_offsets = at[(at >= self.s) & (at < self.e)] - self.s
         if shift:  # position i is predicted by the output at i - 1
             spans = tuple((max(0, lo - 1), hi) for lo, hi in spans)
-            pred = torch.arange(self.s - 1, self.e - 1)
-        else:
-            pred = torch.arange(self.s, self.e)
+        block = torch.arange(self.s, self.e) if self.pred_offsets is None else self.pred_offsets + self.s
+        pred = block - 1 if shift else block
         rest = torch.cat([torch.arange(lo, hi) for lo, hi in spans])
         if len(spans) > 1:  # Dream's shifted spans may overlap
             rest = rest.unique()
-        rest = rest[(rest < pred[0]) | (rest > pred[-1])]
+        if self.pred_offsets is None:
+            rest = rest[(rest < pred[0]) | (rest > pred[-1])]
+        else:
+            rest = rest[~torch.isin(rest, pred)]
         return torch.cat((pred, rest))
+
+
+def _scatter(values: torch.Tensor, offsets: torch.Tensor, width: int, fill) -> torch.Tensor:
+    """[1, k, ...] outputs at block ``offsets`` placed into a [1, width, ...] block filled with ``fill``."""
+    out = values.new_full((1, width, *values.shape[2:]), fill)
+    out[:, offsets] = values
+    return out
 
 
 def check_request(
@@ -179,11 +198,6 @@ def check_request(
         raise GenerationError(
             "precision_schedule: not served by the engine yet (LLM.generate has it); serve a quantised "
             "model with --quantization instead"
-        )
-    if params.cache == "delayed":
-        raise GenerationError(
-            "cache 'delayed': not served by the engine yet (LLM.generate has it); serve with cache 'anchored', "
-            "which keeps the same accuracy on the embedded task"
         )
     if block_size is not None and params.block_length != block_size:
         raise GenerationError(
@@ -416,22 +430,29 @@ class Engine:
             block = row.x[row.s : row.e]
             masked = (block == self.mask_id)[None]
             quota = row.plan[:, min(row.step, row.per_block - 1)] if row.scheduled else torch.ones(1, dtype=torch.long)
+            k = L if row.pred_offsets is None else len(row.pred_offsets)  # outputs predicting the block
             if row.use_confidence:
                 if logits is not None:
-                    c, tk = ops.confidence(logits[i : i + 1, :L].float(), banned=self.mask_id, kind=row.score)
+                    c, tk = ops.confidence(logits[i : i + 1, :k].float(), banned=self.mask_id, kind=row.score)
                     c, tk = c.cpu(), tk.cpu()
                 else:
-                    c, tk = conf[i : i + 1, :L], token[i : i + 1, :L]
+                    c, tk = conf[i : i + 1, :k], token[i : i + 1, :k]
+                if row.pred_offsets is not None:  # delayed: the uncomputed block slots are committed
+                    c, tk = _scatter(c, row.pred_offsets, L, 0), _scatter(tk, row.pred_offsets, L, self.mask_id)
                 x0 = torch.where(masked, tk, self.mask_id)
                 probs = torch.where(masked, c, torch.zeros((), dtype=c.dtype))
                 step_in = strategies.StepInput(None, masked, quota, 0.0, row.gen, row.state, x0=x0, conf=probs)
             else:
-                out = logits[i : i + 1, :L].cpu().clone()
+                out = logits[i : i + 1, :k].cpu().clone()
+                if row.pred_offsets is not None:
+                    out = _scatter(out, row.pred_offsets, L, 0)
                 out[..., self.mask_id] = float("-inf")
                 step_in = strategies.StepInput(out, masked, quota, row.p.temperature, row.gen, row.state)
             x0, commit = row.rule(step_in)
             commit &= masked
             row.x[row.s : row.e] = torch.where(commit[0], x0[0], block)
+            if row.p.cache == "delayed":
+                row.last_commits = tuple((commit[0].nonzero().flatten() + row.s).tolist())
             n_commit = int(commit.sum())
             row.pending += n_commit
             st.committed += n_commit

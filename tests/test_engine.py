@@ -56,6 +56,8 @@ CONFIGS = [
     dict(strategy="maskgit_plus", block_length=8, cache="adaptive", refresh_window=4),
     dict(strategy="threshold", block_length=8, cache="anchored"),
     dict(strategy="low_confidence", block_length=8, cache="anchored", refresh_bound=12, refresh_window=3),
+    dict(strategy="threshold", block_length=8, cache="delayed"),
+    dict(strategy="entropy", block_length=8, steps=20, cache="delayed", confidence_head=False),
 ]
 
 
@@ -78,7 +80,7 @@ def test_embedded_requests_equal_their_lone_generation(embedded):
 
 
 @pytest.mark.parametrize("name", ["dream", "llada_moe", "llada2"])
-@pytest.mark.parametrize("cache", ["none", "dual", "adaptive", "anchored"])
+@pytest.mark.parametrize("cache", ["none", "dual", "adaptive", "anchored", "delayed"])
 def test_other_families_equal_their_lone_generation(ckpt_dir, name, cache):
     llm = LLM(ckpt_dir(name), backend="cpu")
     g = torch.Generator().manual_seed(4)
@@ -165,7 +167,6 @@ def test_bad_requests_are_refused_at_submit(embedded, ckpt_dir):
     cases = [
         (ok, SamplingParams(threshold=2.0), {}, "threshold 2.0 must be in"),
         (ok, SamplingParams(cfg_scale=1.0), {}, "cfg_scale"),
-        (ok, SamplingParams(cache="delayed"), {}, "cache 'delayed': not served by the engine"),
         ([], SamplingParams(), {}, "prompt: at least one token"),
         ([99], SamplingParams(), {}, "token 0 is 99"),
         (ok, SamplingParams(gen_length=56, block_length=8), {}, "exceeds the max model length 64"),
