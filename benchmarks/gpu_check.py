@@ -318,7 +318,8 @@ def cache_policy_checks(backend_name: str) -> list[dict]:
     llm = dinfer_rt.LLM(backend=backend_name)
     items = task.heldout(200)
     rows = []
-    for cache in ("none", "dual", "adaptive", "anchored"):
+    # delayed: on a device with the commit kernel it computes the whole block (no host sync)
+    for cache in ("none", "dual", "adaptive", "anchored", "delayed"):
         params = SamplingParams(strategy="threshold", threshold=0.9, block_length=8, batch_size=50, cache=cache)
         llm.generate([it.letters for it in items[:50]], params)  # warm-up: compile, allocate
         t0 = time.perf_counter()

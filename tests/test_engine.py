@@ -56,7 +56,7 @@ CONFIGS = [
     dict(strategy="maskgit_plus", block_length=8, cache="adaptive", refresh_window=4),
     dict(strategy="threshold", block_length=8, cache="anchored"),
     dict(strategy="low_confidence", block_length=8, cache="anchored", refresh_bound=12, refresh_window=3),
-    dict(strategy="threshold", block_length=8, cache="delayed"),
+    dict(strategy="threshold", block_length=8, cache="delayed", sync_every=2),
     dict(strategy="entropy", block_length=8, steps=20, cache="delayed", confidence_head=False),
 ]
 
