@@ -151,7 +151,8 @@ class _Row:
 
     def queries(self, block_causal: bool, shift: bool) -> torch.Tensor:
         """This step's slots, in the order the forward takes them: first the slots whose outputs
-        predict the block (the block itself; for Dream the slot before each), then the rest."""
+        predict the block (the block itself, under ``delayed`` its computed slots, ``pred_offsets``;
+        for Dream the slot before each), then the rest."""
         self.nfe += 1
         spans = self.window(block_causal)
         self.pred_offsets = None
