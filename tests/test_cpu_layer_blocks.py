@@ -173,6 +173,46 @@ def test_panel_gemm_matches_float64(fast, monkeypatch, rows, n, k):
     _close(total, want[1])
 
 
+@pytest.mark.parametrize(
+    "rows, n, k",
+    [(1, 5, 7), (15, 13, 40), (17, 25, 300), (33, 36, 64), (128, 24, 16), (100, 12, 2100), (129, 20, 30)],
+)
+def test_unpacked_gemm_matches_float64(fast, monkeypatch, rows, n, k):
+    """Unpacked weights: the transposed-input GEMM up to 128 rows (tiles of 12 weight rows x 32
+    or 16 input rows with their remainders; k 2100: row chunks of 32, the last one of 4), torch's
+    sgemm above (129). Through mlp_block's output projection, one thread and split over threads."""
+    monkeypatch.setenv(envs.DINFER_CPU_PACKED_WEIGHTS, "off")
+    g = torch.Generator().manual_seed(rows * n + k)
+    attn, residual = torch.randn(rows, k, generator=g), torch.randn(rows, n, generator=g)
+    w_o = torch.randn(n, k, generator=g) / k**0.5
+    w_gu, w_d = torch.randn(2 * 8, n, generator=g), torch.randn(n, 8, generator=g)
+    ones = torch.ones(n)
+    kernels = native.NativeKernels(native.load().lib)
+    kernels.panels = native.PanelWeights(native.load().lib)
+    normed, total = kernels.mlp_block(attn, w_o, None, residual, ones, w_gu, w_d, ones, 1e-5)
+    assert kernels.panels.get(w_o) is None  # not packed: the unpacked path ran
+    want = ops.mlp_block(*(v.double() for v in (attn, w_o)), None, residual.double(), ones.double(),
+                         w_gu.double(), w_d.double(), ones.double(), eps=1e-5)  # fmt: skip
+    _close(normed, want[0])
+    _close(total, want[1])
+
+
+def test_native_linear_matches_float64_and_declines_what_it_does_not_handle(fast):
+    """The CPU ``linear`` kernel (LM head, unfused layers): [B, T, in] with a bias through the
+    transposed-input GEMM; too many rows, too little work or another layout go back to torch."""
+    g = torch.Generator().manual_seed(11)
+    x, w, b = torch.randn(2, 20, 96, generator=g), torch.randn(70, 96, generator=g), torch.randn(70, generator=g)
+    got = fast.linear(x, w, b)
+    assert got is not None and got.shape == (2, 20, 70)
+    _close(got, torch.nn.functional.linear(x.double(), w.double(), b.double()))
+    assert fast.linear(torch.randn(fast.xt_max_rows + 1, 96), w) is None
+    assert fast.linear(torch.randn(2, 4), torch.randn(3, 4)) is None  # 24 multiply-adds: torch's
+    assert fast.linear(x.transpose(0, 1), w) is None
+    assert fast.linear(x.double(), w.double()) is None
+    kernels = NativeRowKernels(fast)
+    _close(kernels.linear(x.transpose(0, 1), w), torch.nn.functional.linear(x.transpose(0, 1).double(), w.double()))
+
+
 @pytest.mark.parametrize("policy", ["all", "off"])
 def test_packed_and_plain_blocks_agree_on_the_embedded_model(monkeypatch, policy):
     monkeypatch.setenv(envs.DINFER_CPU_PACKED_WEIGHTS, policy)

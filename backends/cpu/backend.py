@@ -66,6 +66,7 @@ class CpuBackend(Backend):
         if fast is not None:
             rows = cpu_kernels.NativeRowKernels(fast)
             kernels |= {"rms_norm": rows.rms_norm, "add_rms_norm": rows.add_rms_norm, "swiglu": rows.swiglu}
+            kernels |= {"linear": rows.linear, "lm_head_confidence": rows.lm_head_confidence}
             if fast.blas is not None:
                 blocks = cpu_kernels.LayerBlockKernels(attn, rows)
                 kernels |= {"attention_block": blocks.attention_block, "mlp_block": blocks.mlp_block}

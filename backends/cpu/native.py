@@ -43,7 +43,7 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-er
 # then shares with us (one thread pool). Without OpenMP support the build is retried without it.
 OPENMP_FLAGS = ("-fopenmp",)
 OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
-ABI = 7
+ABI = 8
 # The native attention core splits its (row, kv head) pairs over torch's OpenMP threads and reads
 # each key and value vector once per two query rows. Against native rotary + torch's SDPA, one
 # call, 2 threads: 52 keys, 6 heads of 32: 1 x 52 queries 53 vs 71 us, 50 rows x 20 queries 856 vs
@@ -75,11 +75,13 @@ _SIGNATURES |= {
     "dinfer_commit_f32": [_P, _P, _P, _P, _P, _I, _P, _I, _I, _F, ctypes.c_int],
     "dinfer_panel_floats": [_I, _I],
     "dinfer_pack_panels": [_P, _I, _I, _P],
+    "dinfer_xt_linear_f32": [_P, _I, _I, _P, _I, _P],
+    "dinfer_xt_max_rows": [],
 }
 _RETURNS = {
     name: ctypes.c_int for name in ("dinfer_rope_attention_f32", "dinfer_attention_block_f32", "dinfer_mlp_block_f32")
 }
-_RETURNS["dinfer_panel_floats"] = _I
+_RETURNS |= {"dinfer_panel_floats": _I, "dinfer_xt_linear_f32": ctypes.c_int, "dinfer_xt_max_rows": _I}
 
 
 class LinearPlan(ctypes.Structure):
@@ -208,7 +210,8 @@ def _open(cc: str, version: str, flags: tuple[str, ...]) -> Native:
         else:
             how += ", OpenMP threads shared with torch"
     blocks = (
-        f"layer blocks: panel GEMM for packed weights ({envs.DINFER_CPU_PACKED_WEIGHTS}), {found.reason} for the rest"
+        f"layer blocks: panel GEMM for packed weights ({envs.DINFER_CPU_PACKED_WEIGHTS}), else a transposed-input "
+        f"GEMM up to 128 rows and {found.reason} above"
         if found.sgemm is not None
         else f"no layer blocks: {found.reason}"
     )
@@ -230,6 +233,10 @@ def _rows(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.is_cpu and x.is_contiguous()
 
 
+XT_MIN_WORK = 1 << 16
+"""Multiply-adds below which a plain linear stays with torch (a few microseconds either way)."""
+
+
 class NativeKernels:
     """Python faces of the native functions, each returning None when its inputs are not the
     float32 layout it handles (the caller then runs the torch kernel)."""
@@ -243,6 +250,8 @@ class NativeKernels:
         self._attention_block = lib.dinfer_attention_block_f32
         self._mlp_block = lib.dinfer_mlp_block_f32
         self._commit = lib.dinfer_commit_f32
+        self._xt_linear = lib.dinfer_xt_linear_f32
+        self.xt_max_rows = int(lib.dinfer_xt_max_rows())
         found = blas.find()
         self.blas = found if found.sgemm is not None else None  # None: no layer blocks
         self.panels = shared_panels(lib)
@@ -255,6 +264,23 @@ class NativeKernels:
         out = torch.empty_like(x)
         self._rms(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // max(x.shape[-1], 1), x.shape[-1], eps)
         return out
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x W^T (+ b) through the transposed-input GEMM (W read where it lies, no packed copy):
+        float32 rows up to ``xt_max_rows`` with at least ``XT_MIN_WORK`` multiply-adds,
+        where it beat torch's sgemm here; None otherwise (the caller runs ``F.linear``)."""
+        if not (_rows(x) and _rows(weight)) or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+            return None
+        n, k = weight.shape
+        rows = x.numel() // max(k, 1)
+        if not 0 < rows <= self.xt_max_rows or rows * n * k < XT_MIN_WORK:
+            return None
+        if bias is not None and (not _rows(bias) or bias.shape != (n,)):
+            return None
+        out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+        if self._xt_linear(weight.data_ptr(), n, k, x.data_ptr(), rows, out.data_ptr()):
+            raise MemoryError(f"native linear: no memory for the transposed input ({rows} x {k})")
+        return out if bias is None else out.add_(bias)
 
     def swiglu(self, h: torch.Tensor) -> torch.Tensor | None:
         if not _rows(h) or h.shape[-1] % 2:
