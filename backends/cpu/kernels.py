@@ -28,7 +28,6 @@ from dinfer_rt.backends.cpu.native import NativeKernels
 from dinfer_rt.ir.ops import OpTypeError, attention_mask, splice_kv
 from dinfer_rt.ir.ops import swiglu as swiglu_reference
 
-
 Linear = Callable[..., torch.Tensor]
 
 
