@@ -175,12 +175,13 @@ def test_panel_gemm_matches_float64(fast, monkeypatch, rows, n, k):
 
 @pytest.mark.parametrize(
     "rows, n, k",
-    [(1, 5, 7), (15, 13, 40), (17, 25, 300), (33, 36, 64), (128, 24, 16), (100, 12, 2100), (129, 20, 30)],
+    [(1, 5, 7), (8, 13, 40), (15, 13, 40), (17, 25, 300), (33, 36, 64), (128, 24, 16), (100, 12, 2100), (129, 20, 30)],
 )
 def test_unpacked_gemm_matches_float64(fast, monkeypatch, rows, n, k):
-    """Unpacked weights: the transposed-input GEMM up to 128 rows (tiles of 12 weight rows x 32
+    """Unpacked weights: the transposed-input GEMM at 8-128 rows (tiles of 12 weight rows x 32
     or 16 input rows with their remainders; k 2100: row chunks of 32, the last one of 4), torch's
-    sgemm above (129). Through mlp_block's output projection, one thread and split over threads."""
+    sgemm outside (1, 129). Through mlp_block's output projection, one thread and split over
+    threads."""
     monkeypatch.setenv(envs.DINFER_CPU_PACKED_WEIGHTS, "off")
     g = torch.Generator().manual_seed(rows * n + k)
     attn, residual = torch.randn(rows, k, generator=g), torch.randn(rows, n, generator=g)
@@ -199,14 +200,17 @@ def test_unpacked_gemm_matches_float64(fast, monkeypatch, rows, n, k):
 
 def test_native_linear_matches_float64_and_declines_what_it_does_not_handle(fast):
     """The CPU ``linear`` kernel (LM head, unfused layers): [B, T, in] with a bias through the
-    transposed-input GEMM; too many rows, too little work or another layout go back to torch."""
+    transposed-input GEMM; too few or too many rows, too little work or another layout go back
+    to torch."""
     g = torch.Generator().manual_seed(11)
-    x, w, b = torch.randn(2, 20, 96, generator=g), torch.randn(70, 96, generator=g), torch.randn(70, generator=g)
+    x, w, b = torch.randn(2, 20, 192, generator=g), torch.randn(300, 192, generator=g), torch.randn(300, generator=g)
     got = fast.linear(x, w, b)
-    assert got is not None and got.shape == (2, 20, 70)
+    assert got is not None and got.shape == (2, 20, 300)
     _close(got, torch.nn.functional.linear(x.double(), w.double(), b.double()))
-    assert fast.linear(torch.randn(fast.xt_max_rows + 1, 96), w) is None
-    assert fast.linear(torch.randn(2, 4), torch.randn(3, 4)) is None  # 24 multiply-adds: torch's
+    low, high = fast.xt_rows
+    assert fast.linear(torch.randn(low - 1, 192), torch.randn(4000, 192)) is None
+    assert fast.linear(torch.randn(high + 1, 192), w) is None
+    assert fast.linear(torch.randn(40, 192), torch.randn(31, 192)) is None  # the embedded LM head: torch's
     assert fast.linear(x.transpose(0, 1), w) is None
     assert fast.linear(x.double(), w.double()) is None
     kernels = NativeRowKernels(fast)

@@ -527,7 +527,7 @@ static void panel_tile(const float *x, int64_t k, int rows, const float *panel, 
  * xt [K][Mp] (zero past M, Mp a multiple of 16), and a tile of XT_ROWS weight rows x 32 (or 16)
  * input rows broadcasts one weight value per row and loads whole vectors of xt at each k step,
  * every weight value read once per tile from its contiguous row. Rows are taken in chunks whose
- * xt stays in L2. Measured on the 2-core EPYC (Zen 4) here, two threads: 2304 x 768 at 32 rows
+ * xt stays in L2. linear_rows uses it for XT_MIN_ROWS..XT_MAX_ROWS rows (below). Measured on the 2-core EPYC (Zen 4) here, two threads: 2304 x 768 at 32 rows
  * 0.63-0.67 ms against 1.0 ms for torch's MKL sgemm, 4096 x 768 at 32 rows 1.2-1.3 vs 2.6 ms. */
 #define XT_ROWS 12
 #define SPLIT_MIN_WORK (1 << 16) /* multiply-adds below which a projection stays on one thread */
@@ -607,7 +607,12 @@ typedef struct {
 } dinfer_linear;
 
 
-#define XT_MAX_ROWS 128 /* above this many rows torch's sgemm was as fast or faster (down projections) */
+/* Rows the transposed-input GEMM takes: below 8 its 16-row tiles are mostly padding (torch's sgemm
+ * ran 1-4 rows of a 2304 x 768 weight 1.2-2.4x faster), above 128 sgemm was as fast or faster
+ * (down projections, k 2048). */
+#define XT_MIN_ROWS 8
+#define XT_MAX_ROWS 128
+int64_t dinfer_xt_min_rows(void) { return XT_MIN_ROWS; }
 int64_t dinfer_xt_max_rows(void) { return XT_MAX_ROWS; }
 
 static int linear_rows(const dinfer_linear *L, const float *x, int64_t rows, float *y) {
@@ -622,7 +627,7 @@ static int linear_rows(const dinfer_linear *L, const float *x, int64_t rows, flo
                 panel_tile(x + r0 * k, k, (int)(rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS), L->panels + p * k * PANEL,
                            y + r0 * n + p * PANEL, n, cols);
         }
-    } else if (rows <= XT_MAX_ROWS) {
+    } else if (rows >= XT_MIN_ROWS && rows <= XT_MAX_ROWS) {
         if (dinfer_xt_linear_f32(L->weight, n, k, x, rows, y) != 0) return -1;
     } else { /* row-major y [m, n] = x [m, k] W^T is column-major y^T [n, m] = W [k, n]^T x^T [k, m] */
         int m = (int)rows, ni = (int)n, ki = (int)k;
