@@ -365,8 +365,11 @@ class NativeRowKernels:
         out = self.native.linear(x, weight, bias)
         return F.linear(x, weight, bias) if out is None else out
 
-    def lm_head_confidence(self, h: torch.Tensor, weight: torch.Tensor, *, banned: int, kind: str = "max"):
-        return lm_head_confidence_budgeted(h, weight, banned=banned, kind=kind, linear=self.linear)
+    def lm_head_confidence(
+        self, h: torch.Tensor, weight: torch.Tensor, *, banned: int, kind: str = "max", chunk: int = 8192
+    ):
+        """``lm_head_confidence_budgeted`` (same attributes) with its logits through ``linear``."""
+        return lm_head_confidence_budgeted(h, weight, banned=banned, kind=kind, chunk=chunk, linear=self.linear)
 
 
 class LayerBlockKernels:
