@@ -19,15 +19,16 @@ from safetensors.torch import load_file
 
 
 class PlainLLaDA:
-    def __init__(self, path: Path) -> None:
-        self.cfg = json.loads((path / "config.json").read_text())
-        self.w = load_file(str(path / "model.safetensors"))
+    def __init__(self, path: Path, dtype: torch.dtype = torch.float32) -> None:
+        """``dtype``: of the weights and every activation (bfloat16: how the peers run on GPUs)."""
+        self.cfg, self.dtype = json.loads((path / "config.json").read_text()), dtype
+        self.w = {k: v.to(dtype) for k, v in load_file(str(path / "model.safetensors")).items()}
         c = self.cfg
         self.heads, self.hd = c["n_heads"], c["d_model"] // c["n_heads"]
         inv = c["rope_theta"] ** (-torch.arange(0, self.hd, 2, dtype=torch.float32) / self.hd)
         ang = torch.outer(torch.arange(c["max_sequence_length"], dtype=torch.float32), inv)
         ang = torch.cat((ang, ang), -1)
-        self.cos, self.sin = ang.cos(), ang.sin()
+        self.cos, self.sin = ang.cos().to(dtype), ang.sin().to(dtype)
 
     def _norm(self, x, name):
         return self.w[name] * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg["rms_norm_eps"]))

@@ -15,6 +15,7 @@ import argparse
 import functools
 import itertools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from fastdllm_baseline import PlainLLaDA, generate  # noqa: E402
 
+from dinfer_rt import envs  # noqa: E402
 from dinfer_rt.demo import task  # noqa: E402
 from dinfer_rt.demo.bench import evaluate  # noqa: E402
 from dinfer_rt.llm import LLM  # noqa: E402
@@ -65,6 +67,15 @@ CONFIGS = [
 ]
 
 
+# The layer blocks' matmuls in bfloat16 (DINFER_CPU_MATMUL=bf16: a second LLM, its backend chosen
+# with the variable set), at both block lengths.
+BF16 = [
+    dict(strategy="factor", cache="none", block_length=40, factor=1.0, matmul="bf16"),
+    dict(strategy="threshold", cache="none", block_length=40, threshold=0.7, matmul="bf16"),
+    dict(strategy="threshold", cache="delayed", block_length=8, threshold=0.9, matmul="bf16"),
+    dict(strategy="threshold", cache="anchored", block_length=8, threshold=0.9, matmul="bf16"),
+]
+
 # --quick: the batch-50 rows the issue-#19 targets are computed from, and their neighbours.
 QUICK = [
     dict(strategy="threshold", cache="none", block_length=40, threshold=0.9),
@@ -80,6 +91,7 @@ QUICK = [
     dict(strategy="threshold", cache="delayed", block_length=40, threshold=0.9),
     dict(strategy="factor", cache="none", block_length=40, factor=1.0),
     dict(strategy="credit", cache="none", block_length=40, threshold=0.9),
+    *BF16,
 ]
 
 # The subset also run at batch 1 (one prompt at a time: the peers' only mode).
@@ -96,6 +108,7 @@ BATCH1 = [
     dict(strategy="threshold", cache="anchored", block_length=8, threshold=0.7),
     dict(strategy="threshold", cache="delayed", block_length=8, threshold=0.9),
     dict(strategy="threshold", cache="delayed", block_length=40, threshold=0.9),
+    *BF16[1:],
 ]
 
 
@@ -123,8 +136,10 @@ def run_baseline(model_dir: Path, items: list, batch: int, block_length: int, ca
             correct += task.check(it.letters, text)
     wall = time.perf_counter() - start
     return {
-        "config": f"Fast-dLLM-style baseline ({'dual' if cache else 'no'} cache, threshold 0.9, b{block_length})",
+        "config": f"Fast-dLLM-style baseline ({'dual' if cache else 'no'} cache, threshold 0.9, b{block_length}"
+        + (", bfloat16)" if plain.dtype == torch.bfloat16 else ")"),
         "system": "baseline",
+        "dtype": str(plain.dtype).removeprefix("torch."),
         "cache": "dual" if cache else "none",
         "block_length": block_length,
         "batch": batch,
@@ -144,7 +159,7 @@ def targets(rows: list[dict]) -> list[str]:
 
     out = ["| target | measured | met |", "|---|---|---|"]
     for b in (8, 40):
-        base = find(system="baseline", cache="none", block_length=b, batch=1)
+        base = find(system="baseline", cache="none", block_length=b, batch=1, dtype="float32")
         if not base:
             continue
         base_tps = base[0]["tokens_per_s"]
@@ -174,8 +189,11 @@ def targets(rows: list[dict]) -> list[str]:
     return out
 
 
-def dinfer_run(llm: LLM, cfg: dict, batch: int, limit: int) -> Callable[[], dict]:
-    params = SamplingParams(batch_size=batch, early_stop=False, **cfg)
+def dinfer_run(llms: dict[str, LLM], cfg: dict, batch: int, limit: int) -> Callable[[], dict]:
+    """``cfg``: SamplingParams fields, and ``matmul`` (which of ``llms``; default ``fp32``)."""
+    fields = {k: v for k, v in cfg.items() if k != "matmul"}
+    llm = llms[cfg.get("matmul", "fp32")]
+    params = SamplingParams(batch_size=batch, early_stop=False, **fields)
 
     def run() -> dict:
         r = evaluate(llm, params, limit=limit)
@@ -212,15 +230,22 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only the batch-50 rows the targets need (about 12 min)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    llm = LLM(args.model)
+    llms = {"fp32": LLM(args.model)}
+    os.environ[envs.DINFER_CPU_MATMUL] = "bf16"  # read when that LLM's backend is chosen
+    try:
+        llms["bf16"] = LLM(args.model)
+    finally:
+        os.environ.pop(envs.DINFER_CPU_MATMUL)
     plain = PlainLLaDA(args.model)
     one, many = task.heldout(args.limit_batch1), task.heldout(args.limit)
-    runs = [dinfer_run(llm, cfg, args.batch_size, args.limit) for cfg in (QUICK if args.quick else CONFIGS)]
-    runs += [dinfer_run(llm, cfg, 1, args.limit_batch1) for cfg in BATCH1]
+    runs = [dinfer_run(llms, cfg, args.batch_size, args.limit) for cfg in (QUICK if args.quick else CONFIGS)]
+    runs += [dinfer_run(llms, cfg, 1, args.limit_batch1) for cfg in BATCH1]
     for b in (8, 40):
         runs.append(functools.partial(run_baseline, args.model, one, 1, b, False, plain))
         runs.append(functools.partial(run_baseline, args.model, many, args.batch_size, b, True, plain))
     runs.append(functools.partial(run_baseline, args.model, one, 1, 8, True, plain))
+    plain_bf16 = PlainLLaDA(args.model, torch.bfloat16)  # information: the peers' GPU dtype, on this CPU
+    runs.append(functools.partial(run_baseline, args.model, one, 1, 40, False, plain_bf16))
     rows = in_rounds(runs, args.repeats)
     meta = {"torch_threads": torch.get_num_threads(), "repeats": args.repeats, "limit": args.limit}
     (args.out / "results.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))

@@ -7,13 +7,16 @@ models is dispatch, not arithmetic, run natively (``native.py``) when a C compil
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import torch
 
+from dinfer_rt import envs
 from dinfer_rt.backend import Availability, Backend, Capabilities
 from dinfer_rt.backends.cpu import kernels as cpu_kernels
 from dinfer_rt.backends.cpu import native
+from dinfer_rt.errors import ConfigError
 from dinfer_rt.executor import Kernel
 from dinfer_rt.ir import OPS
 
@@ -22,6 +25,14 @@ class CpuBackend(Backend):
     name = "cpu"
     flavour = "reference"  # device_type: "cpu", the Platform default
     priority = 0
+
+    def __init__(self) -> None:
+        # Read when the backend is chosen (one model, one setting), checked when it compiles.
+        self.matmul_setting = os.environ.get(envs.DINFER_CPU_MATMUL)
+
+    def matmul_precision(self) -> str:
+        """``DINFER_CPU_MATMUL`` as it was when this backend was selected (``fp32`` / ``bf16``)."""
+        return native.parse_matmul(self.matmul_setting)
 
     def is_available(self) -> Availability:
         threads = f"torch {torch.__version__} on the CPU, {torch.get_num_threads()} threads"
@@ -51,7 +62,10 @@ class CpuBackend(Backend):
         # Same semantics, less work per forward (angles and mask once per forward, not per layer;
         # float32 norms, SwiGLU and rotary + K/V writes in one native call each where native.c is built).
         lib = native.load().lib
-        fast = native.NativeKernels(lib) if lib is not None else None
+        matmul = self.matmul_precision()
+        if matmul == "bf16" and (why := native.bf16_unavailable(lib)):
+            raise ConfigError(f"backend cpu: {envs.DINFER_CPU_MATMUL}=bf16 cannot run here: {why}")
+        fast = native.NativeKernels(lib, matmul) if lib is not None else None
         attn = cpu_kernels.AttentionKernels(fast)  # one per compiled executable: its memos are its own
         kernels |= {
             "attention": attn.attention,

@@ -397,7 +397,8 @@ class LayerBlockKernels:
             )  # fmt: skip
             if out is not None:
                 return (out, k_cache, v_cache) if cached else out
-        q, k, v = F.linear(x, w_qkv, b_qkv).split(list(sizes), dim=-1)
+        qkv = self.native.projection(x, w_qkv, b_qkv) if x.dtype == torch.float32 else None
+        q, k, v = (F.linear(x, w_qkv, b_qkv) if qkv is None else qkv).split(list(sizes), dim=-1)
         q, k, v = q.unflatten(-1, (heads, -1)), k.unflatten(-1, (kv_heads, -1)), v.unflatten(-1, (kv_heads, -1))
         out = self.attn.rope_attention(
             q, k, v, key_valid, token_index, positions, q_norm, k_norm, k_cache, v_cache,

@@ -36,6 +36,7 @@ import torch
 from dinfer_rt import envs
 from dinfer_rt.backends.cpu import blas
 from dinfer_rt.errors import ConfigError
+from dinfer_rt.ir.ops import OpTypeError
 
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno")
@@ -43,7 +44,7 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-er
 # then shares with us (one thread pool). Without OpenMP support the build is retried without it.
 OPENMP_FLAGS = ("-fopenmp",)
 OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
-ABI = 8
+ABI = 9
 # The native attention core splits its (row, kv head) pairs over torch's OpenMP threads and reads
 # each key and value vector once per two query rows. Against native rotary + torch's SDPA, one
 # call, 2 threads: 52 keys, 6 heads of 32: 1 x 52 queries 53 vs 71 us, 50 rows x 20 queries 856 vs
@@ -78,19 +79,24 @@ _SIGNATURES |= {
     "dinfer_xt_linear_f32": [_P, _I, _I, _P, _I, _P],
     "dinfer_xt_min_rows": [],
     "dinfer_xt_max_rows": [],
+    "dinfer_bf16_panels": [],
+    "dinfer_plan_linear_f32": [_P, _P, _I, _P],
+    "dinfer_panel_bf16_halves": [_I, _I],
+    "dinfer_pack_panels_bf16": [_P, _I, _I, _P],
 }
 _RETURNS = {
     name: ctypes.c_int for name in ("dinfer_rope_attention_f32", "dinfer_attention_block_f32", "dinfer_mlp_block_f32")
 }
 _RETURNS |= {"dinfer_xt_linear_f32": ctypes.c_int}
 _RETURNS |= {name: _I for name in ("dinfer_panel_floats", "dinfer_xt_min_rows", "dinfer_xt_max_rows")}
+_RETURNS |= {"dinfer_bf16_panels": ctypes.c_int, "dinfer_panel_bf16_halves": _I, "dinfer_plan_linear_f32": ctypes.c_int}
 
 
 class LinearPlan(ctypes.Structure):
     """``dinfer_linear``: a projection's weight [n, k], its panel-packed copy (or NULL: the
-    BLAS) and bias (or NULL)."""
+    BLAS), bias (or NULL) and its bfloat16 panels (or NULL; used first when there)."""
 
-    _fields_ = [("weight", _P), ("panels", _P), ("bias", _P), ("n", _I), ("k", _I)]
+    _fields_ = [("weight", _P), ("panels", _P), ("bias", _P), ("n", _I), ("k", _I), ("bf16_panels", _P)]
 
 
 class AttentionPlan(ctypes.Structure):
@@ -213,7 +219,8 @@ def _open(cc: str, version: str, flags: tuple[str, ...]) -> Native:
             how += ", OpenMP threads shared with torch"
     blocks = (
         f"layer blocks: panel GEMM for packed weights ({envs.DINFER_CPU_PACKED_WEIGHTS}), else a transposed-input "
-        f"GEMM at 8-128 rows and {found.reason} for other row counts"
+        f"GEMM at 8-128 rows and {found.reason} for other row counts; "
+        f"{envs.DINFER_CPU_MATMUL}=bf16 {'available' if lib.dinfer_bf16_panels() else 'unavailable (no AVX512-BF16)'}"
         if found.sgemm is not None
         else f"no layer blocks: {found.reason}"
     )
@@ -245,7 +252,11 @@ class NativeKernels:
     """Python faces of the native functions, each returning None when its inputs are not the
     float32 layout it handles (the caller then runs the torch kernel)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, matmul: str = "fp32") -> None:
+        matmul = parse_matmul(matmul)
+        if matmul == "bf16" and (why := bf16_unavailable(lib)):
+            raise ConfigError(f"{envs.DINFER_CPU_MATMUL}=bf16: {why}")
+        self.matmul = matmul  # "bf16": the layer blocks' projections in the bfloat16 panel GEMM
         self._rms = lib.dinfer_rms_norm_f32
         self._swiglu = lib.dinfer_swiglu_f32
         self._add_rms = lib.dinfer_add_rms_norm_f32
@@ -253,6 +264,7 @@ class NativeKernels:
         self._attend = lib.dinfer_rope_attention_f32
         self._attention_block = lib.dinfer_attention_block_f32
         self._mlp_block = lib.dinfer_mlp_block_f32
+        self._plan_linear = lib.dinfer_plan_linear_f32
         self._commit = lib.dinfer_commit_f32
         self._xt_linear = lib.dinfer_xt_linear_f32
         self.xt_rows = (int(lib.dinfer_xt_min_rows()), int(lib.dinfer_xt_max_rows()))
@@ -394,6 +406,24 @@ class NativeKernels:
             raise MemoryError(f"native attention_block: no memory for its scratch ({b} x {t} rows, {n} keys)")
         return out
 
+    def projection(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """x W^T (+ b) through the GEMM a layer block would use for W (bfloat16 or float32
+        panels where packed, else the transposed-input GEMM or the BLAS): the Q/K/V projection
+        of an attention_block whose attention core is left to torch. None when not handled."""
+        key = (*_identity((w, bias)), "projection")
+        plan = self._plans.get(key)
+        if plan is None:
+            ok = self.blas is not None and _rows(w) and w.dim() == 2 and (bias is None or _rows(bias))
+            struct = self._linear(w, bias) if ok else None
+            plan = self._plans[key] = (ctypes.addressof(struct), struct, w, bias) if ok else ()
+        if not plan or not _rows(x) or x.shape[-1] != w.shape[1] or x.numel() // w.shape[1] >= 1 << 31:
+            return None
+        rows = x.numel() // w.shape[1]
+        out = torch.empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32)
+        if self._plan_linear(plan[0], x.data_ptr(), rows, out.data_ptr()):
+            raise MemoryError(f"native projection: no memory for its scratch ({rows} rows x {w.shape[1]})")
+        return out
+
     def _attention_plan(self, w, bias, q_norm, k_norm, heads, kv_heads, d, rotary_dim, eps, scale) -> tuple:
         """(struct address, struct, the tensors it points at), or () when the weights are not a
         layout the native block reads (checked once per weight set, not per call)."""
@@ -465,9 +495,13 @@ class NativeKernels:
         return out
 
     def _linear(self, w: torch.Tensor, bias: torch.Tensor | None) -> LinearPlan:
+        if self.matmul == "bf16":
+            half = self.panels.get_bf16(w)
+            self._keep.append(half)
+            return LinearPlan(w.data_ptr(), None, _ptr(bias), w.shape[0], w.shape[1], _ptr(half))
         panels = self.panels.get(w)
         self._keep.append(panels)
-        return LinearPlan(w.data_ptr(), _ptr(panels), _ptr(bias), w.shape[0], w.shape[1])
+        return LinearPlan(w.data_ptr(), _ptr(panels), _ptr(bias), w.shape[0], w.shape[1], None)
 
 
 def _identity(tensors) -> tuple:
@@ -501,6 +535,42 @@ def _attention_target(b, t, h, kv, d, positions, q_norm, k_norm, slots, k_cache,
 
 # ---------------------------------------------------------------- panel-packed weights
 
+MATMUL_PRECISIONS = ("fp32", "bf16")
+
+
+def matmul_precision() -> str:
+    """``DINFER_CPU_MATMUL``: the precision of the layer blocks' projections (``fp32`` default)."""
+    return parse_matmul(os.environ.get(envs.DINFER_CPU_MATMUL))
+
+
+def parse_matmul(setting: str | None) -> str:
+    """A ``DINFER_CPU_MATMUL`` value checked (unset or empty: ``fp32``)."""
+    value = (setting or "fp32").strip().lower()
+    if value not in MATMUL_PRECISIONS:
+        raise ConfigError(
+            f"{envs.DINFER_CPU_MATMUL}={value!r} is not one of {', '.join(MATMUL_PRECISIONS)} "
+            "(the precision of the cpu backend's layer-block matmuls)"
+        )
+    return value
+
+
+def bf16_unavailable(lib: ctypes.CDLL | None) -> str:
+    """Why the bfloat16 panel GEMM cannot run here ('' when it can)."""
+    if lib is None:
+        return f"the native kernels are off ({load().reason})"
+    if not lib.dinfer_bf16_panels():
+        flags = _cpu_flags()
+        has = "avx512_bf16" in flags.split()
+        return (
+            "native.c was built without AVX512-BF16 "
+            + ("although this CPU reports avx512_bf16 (a compiler without -mavx512bf16?)" if has else
+               "(this CPU does not report avx512_bf16)")
+        )  # fmt: skip
+    if blas.find().sgemm is None:
+        return "the layer blocks are off (no BLAS found)"
+    return ""
+
+
 SMALL_WEIGHT_BYTES = 1 << 20
 PACK_POLICIES = ("small", "all", "off")
 
@@ -528,7 +598,23 @@ class PanelWeights:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._size, self._pack = lib.dinfer_panel_floats, lib.dinfer_pack_panels
-        self._packed: dict[tuple[int, int], torch.Tensor | None] = {}
+        self._size_bf16, self._pack_bf16 = lib.dinfer_panel_bf16_halves, lib.dinfer_pack_panels_bf16
+        self._packed: dict[tuple, torch.Tensor | None] = {}
+
+    def get_bf16(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight's bfloat16 panels (``dinfer_pack_panels_bf16``; half its float32 bytes),
+        packed for every float32 weight whatever ``DINFER_CPU_PACKED_WEIGHTS`` says: the bfloat16
+        GEMM has no unpacked form."""
+        key = (id(weight), weight._version, "bf16")
+        if key not in self._packed:
+            if not (_rows(weight) and weight.dim() == 2):
+                raise OpTypeError(f"bf16 panels: weight {list(weight.shape)} {weight.dtype} is not a float32 matrix")
+            n, k = weight.shape
+            half = torch.empty(self._size_bf16(n, k), dtype=torch.int16)
+            self._pack_bf16(weight.data_ptr(), n, k, half.data_ptr())
+            self._packed[key] = half
+            weakref.finalize(weight, self._packed.pop, key, None)
+        return self._packed[key]
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
         key = (id(weight), weight._version)  # modified in place: packed again
