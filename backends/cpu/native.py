@@ -538,13 +538,9 @@ def _attention_target(b, t, h, kv, d, positions, q_norm, k_norm, slots, k_cache,
 MATMUL_PRECISIONS = ("fp32", "bf16")
 
 
-def matmul_precision() -> str:
-    """``DINFER_CPU_MATMUL``: the precision of the layer blocks' projections (``fp32`` default)."""
-    return parse_matmul(os.environ.get(envs.DINFER_CPU_MATMUL))
-
-
 def parse_matmul(setting: str | None) -> str:
-    """A ``DINFER_CPU_MATMUL`` value checked (unset or empty: ``fp32``)."""
+    """A ``DINFER_CPU_MATMUL`` value checked (unset or empty: ``fp32``): the precision of the
+    layer blocks' projections (the cpu backend reads the variable when it is selected)."""
     value = (setting or "fp32").strip().lower()
     if value not in MATMUL_PRECISIONS:
         raise ConfigError(
