@@ -112,6 +112,7 @@ def generate_batch(
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     committed = torch.zeros(b, dtype=torch.long, device=dev)
     commit_step = torch.full((b, g), -1, dtype=torch.long, device=dev)
+    ones = torch.ones(b, dtype=torch.long, device=dev)  # the quota of the unscheduled rules
     start = time.perf_counter()
     # Block-causal models (LLaDA2) align blocks to absolute position 0, so the first block may
     # hold the prompt's tail; bidirectional models start the first block right after the prompt.
@@ -122,13 +123,15 @@ def generate_batch(
         plan = strategies.linear_schedule(block_masked.sum(-1).cpu(), per_block).to(dev)  # one sync per block
         state: dict = {}
         step = 0
+        any_done = bool(done.any())  # rows finish only between blocks
         while True:
-            if step % params.sync_every == 0 and not (x[:, s:e] == mask_id).any():  # the host sync
+            is_mask = x[:, s:e] == mask_id
+            if step % params.sync_every == 0 and not is_mask.any():  # the host sync
                 break
             if step >= 4 * lb + per_block:  # safety cap: every rule commits >= 1 per step
                 raise GenerationError(f"block [{s}, {e}) did not finish in {step} steps")
-            masked = (x[:, s:e] == mask_id) & ~done[:, None]
-            quota = plan[:, min(step, per_block - 1)] if scheduled else torch.ones(b, dtype=torch.long, device=dev)
+            masked = is_mask & ~done[:, None] if any_done else is_mask
+            quota = plan[:, min(step, per_block - 1)] if scheduled else ones
             precision = forward.precision_for(masked, max(s, p_len) - s, step)
             out = forward(x, s, e, step, precision)
             if on_device:  # the backend's kernel decides and writes the block in place: no host sync
@@ -156,8 +159,7 @@ def generate_batch(
             committed += commit.sum(-1)
             forward.note_commits(commit)
             lo = max(s, p_len)  # a block-causal first block may start inside the prompt
-            steps_view = commit_step[:, lo - p_len : e - p_len]
-            steps_view.copy_(torch.where(commit[:, lo - s :], forward.nfe - 1, steps_view))
+            commit_step[:, lo - p_len : e - p_len].masked_fill_(commit[:, lo - s :], forward.nfe - 1)
             step += 1
         newly = torch.zeros_like(done)
         if params.early_stop and eos:
@@ -206,6 +208,7 @@ class _Forwarder:
         self.block_start = 0  # the block the last forward decoded
         self.last_commits: tuple[int, ...] = ()  # delayed cache: positions the last step committed
         self._windows: dict[tuple[Spans, int], tuple[torch.Tensor, int, torch.Tensor | int]] = {}
+        self._slots: dict[tuple[int, int], torch.Tensor] = {}
         self.step_s: list[float] = []
         # Greedy threshold / top-k decisions run on the device when the backend has a commit kernel.
         rules = {"threshold": "threshold", "low_confidence": "top_k"}
@@ -235,6 +238,12 @@ class _Forwarder:
             where = cache_policy.offset_of(spans, s) if whole else at[(at >= s) & (at < e)] - s
             self._windows[key] = (at, len(at), where)
         return self._windows[key]
+
+    def _block_slots(self, s: int, e: int) -> torch.Tensor:
+        """``arange(s, e)``, one tensor per block."""
+        if (s, e) not in self._slots:
+            self._slots[(s, e)] = torch.arange(s, e)
+        return self._slots[(s, e)]
 
     def note_commits(self, commit: torch.Tensor) -> None:
         """The scheduler's commits of the step just run (the adaptive, anchored and delayed
@@ -306,8 +315,8 @@ class _Forwarder:
             return block
         # Confidence head: the LM head runs only where some row still has a mask (on the device
         # path, at every block slot: a fixed shape and no host sync to find them).
-        if self.device_rule is not None:
-            select = torch.arange(s, e) if isinstance(where, int) else where + s
+        if self.device_rule is not None:  # one tensor per window (the model's memos key on it)
+            select = self._block_slots(s, e) if isinstance(where, int) else where + s
         else:
             select = torch.arange(s, e)[(x[:, s:e] == m.mask_id).any(0)]
         score = strategies.SCORE_KIND[self.params.strategy]

@@ -241,9 +241,9 @@ class Model:
         fused, never builds their [positions x vocab] probabilities."""
         inputs, run, want = self._inputs(input_ids, attention_mask, cache, compute)
         select = select.long()
-        if not _covers(want, select):
-            raise GenerationError("confidence: every selected position must be computed")
-        inputs["select"] = self._predicted_by(run, select).to(self.backend.device())
+        # memoised while the same tensors come back (the scheduler's per-window select / compute)
+        key = ("select", id(select), select._version, id(run), run._version, id(want), want._version)
+        inputs["select"] = self._memo(key, lambda: (self._select_rows(run, want, select), select, run, want))[0]
         out = self.executable(cache is not None, block_size, head="confidence", score=score, precision=precision)(
             inputs
         )
@@ -322,6 +322,12 @@ class Model:
         inputs["select"] = select.long().to(dev)
         out = self.executable(False, head="confidence", score=score)(inputs)
         return out["confidence"], out["token"]
+
+    def _select_rows(self, run: torch.Tensor, want: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
+        """The rows of ``run`` the confidence head reads for ``select`` (checked to be computed)."""
+        if not _covers(want, select):
+            raise GenerationError("confidence: every selected position must be computed")
+        return self._predicted_by(run, select).to(self.backend.device())
 
     def _predicted_by(self, run: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Index in ``run`` of the logit that predicts each position (Dream: the one before it)."""

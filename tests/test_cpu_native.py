@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import dinfer_rt
 from dinfer_rt import envs
@@ -278,3 +279,30 @@ def test_generation_with_the_native_commit_equals_the_host_rules(monkeypatch):
             host = generate_batch(model, prompts, params)
         assert torch.equal(native_commit.tokens, host.tokens), strategy
         assert torch.equal(native_commit.commit_step, host.commit_step), strategy
+
+
+@pytest.mark.parametrize("kind", ["max", "margin", "entropy"])
+@pytest.mark.parametrize(("rows", "k", "vocab"), [(40, 192, 31), (1, 7, 2), (300, 33, 31), (3, 16, 4096)])
+def test_small_vocabulary_confidence_head_matches_float64(fast, kind, rows, k, vocab):
+    g = torch.Generator().manual_seed(rows * vocab + k)
+    h, w = torch.randn(rows, k, generator=g), torch.randn(vocab, k, generator=g) * 0.3
+    banned = vocab // 2
+    want, want_token = ops.confidence(F.linear(h.double(), w.double()), banned=banned, kind=kind)
+    got = fast.lm_head_confidence(h, w, banned, kind)
+    assert got is not None  # every case is within the native head's limits
+    _close(got[0], want, tol=1e-5)
+    assert torch.equal(got[1], want_token) and not (got[1] == banned).any()
+    # the kernel the backend registers takes the same route
+    head, token = NativeRowKernels(fast).lm_head_confidence(h, w, banned=banned, kind=kind)
+    assert torch.equal(head, got[0]) and torch.equal(token, got[1])
+
+
+def test_confidence_head_gives_nan_for_a_nan_logit_and_leaves_big_heads_to_torch(fast):
+    h, w = torch.randn(2, 8), torch.randn(31, 8)
+    h[1, 3] = float("nan")
+    conf, token = fast.lm_head_confidence(h, w, 2, "max")
+    assert torch.isfinite(conf[0]) and torch.isnan(conf[1]) and token[1] == 0  # the first NaN logit's id
+    assert fast.lm_head_confidence(torch.randn(2, 768), torch.randn(32000, 768), 2, "max") is None  # not in L2
+    assert fast.lm_head_confidence(torch.randn(2000, 192), w.new_zeros(31, 192), 2, "max") is None  # GEMM's size
+    assert fast.lm_head_confidence(h, w, -1, "max") is None  # no banned id: the torch kernel's convention
+    assert fast.lm_head_confidence(h.double(), w.double(), 2, "max") is None

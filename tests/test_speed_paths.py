@@ -306,3 +306,21 @@ def test_row_slices_of_a_big_forward_decode_like_one_forward(ckpt_dir, cache, he
     sliced = _decode(model, prompts, max_forward_tokens=13, **kw)  # 13 // 13 positions: one row per slice
     assert torch.equal(whole.tokens, sliced.tokens)
     assert whole.nfe == sliced.nfe
+
+
+def test_confidence_select_memo_follows_in_place_changes(ckpt_dir):
+    """Model.confidence keeps the checked head rows of a select tensor that comes back; an
+    in-place change of it (or of compute) is checked again, never served stale."""
+    model = dinfer_rt.load_model(ckpt_dir("llada"))
+    ids = torch.randint(0, 50, (1, 12))
+    cache = model.new_cache(1, 12)
+    model.forward(ids, cache=cache)  # fill the cache
+    compute, select = torch.arange(4, 12), torch.arange(6, 10)
+    first = model.confidence(ids, select=select, cache=cache, compute=compute)
+    again = model.confidence(ids, select=select, cache=cache, compute=compute)
+    assert torch.equal(first[1], again[1]) and torch.allclose(first[0], again[0])
+    fresh = model.confidence(ids, select=select.clone(), cache=cache, compute=compute)
+    assert torch.equal(first[1], fresh[1])
+    select[0] = 2  # position 2 is not computed
+    with pytest.raises(DinferError, match="every selected position must be computed"):
+        model.confidence(ids, select=select, cache=cache, compute=compute)

@@ -368,7 +368,12 @@ class NativeRowKernels:
     def lm_head_confidence(
         self, h: torch.Tensor, weight: torch.Tensor, *, banned: int, kind: str = "max", chunk: int = 8192
     ):
-        """``lm_head_confidence_budgeted`` (same attributes) with its logits through ``linear``."""
+        """The native small-vocabulary head where it applies (one call: at batch 1 the torch head
+        is five kernels), else ``lm_head_confidence_budgeted`` (same attributes) with its logits
+        through ``linear``."""
+        out = self.native.lm_head_confidence(h, weight, banned, kind)
+        if out is not None:
+            return out
         return lm_head_confidence_budgeted(h, weight, banned=banned, kind=kind, chunk=chunk, linear=self.linear)
 
 

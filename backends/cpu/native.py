@@ -44,7 +44,7 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-er
 # then shares with us (one thread pool). Without OpenMP support the build is retried without it.
 OPENMP_FLAGS = ("-fopenmp",)
 OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
-ABI = 9
+ABI = 10
 # The native attention core splits its (row, kv head) pairs over torch's OpenMP threads and reads
 # each key and value vector once per two query rows. Against native rotary + torch's SDPA, one
 # call, 2 threads: 52 keys, 6 heads of 32: 1 x 52 queries 53 vs 71 us, 50 rows x 20 queries 856 vs
@@ -83,12 +83,14 @@ _SIGNATURES |= {
     "dinfer_plan_linear_f32": [_P, _P, _I, _P],
     "dinfer_panel_bf16_halves": [_I, _I],
     "dinfer_pack_panels_bf16": [_P, _I, _I, _P],
+    "dinfer_lm_head_confidence_f32": [_P, _I, _I, _P, _I, _I, ctypes.c_int, _P, _P],
 }
 _RETURNS = {
     name: ctypes.c_int for name in ("dinfer_rope_attention_f32", "dinfer_attention_block_f32", "dinfer_mlp_block_f32")
 }
 _RETURNS |= {"dinfer_xt_linear_f32": ctypes.c_int}
 _RETURNS |= {name: _I for name in ("dinfer_panel_floats", "dinfer_xt_min_rows", "dinfer_xt_max_rows")}
+_RETURNS |= {"dinfer_lm_head_confidence_f32": ctypes.c_int}
 _RETURNS |= {"dinfer_bf16_panels": ctypes.c_int, "dinfer_panel_bf16_halves": _I, "dinfer_plan_linear_f32": ctypes.c_int}
 
 
@@ -242,6 +244,17 @@ def _rows(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.is_cpu and x.is_contiguous()
 
 
+HEAD_MAX_WEIGHTS = 1 << 18
+"""Elements of an LM-head weight the native confidence head takes (1 MB in float32): every row
+reads all of it, so it must stay in L2; bigger vocabularies keep the chunked torch head, whose
+logits are one GEMM."""
+
+HEAD_MAX_WORK = 1 << 22
+"""Multiply-adds above which the torch head's one GEMM wins (2000 x 31 x 192, the embedded model
+at batch 50: 445 vs 390 us; 40 rows, batch 1: 16 vs 27 us)."""
+
+HEAD_KINDS = {"max": 0, "margin": 1, "entropy": 2}
+
 XT_MIN_WORK = 1 << 21
 """Multiply-adds below which a plain linear stays with torch: its OpenMP fork and the input's
 transpose cost more than they save (40 x 31 x 192, the embedded LM head: 18 vs 11 us; equal at
@@ -266,6 +279,7 @@ class NativeKernels:
         self._mlp_block = lib.dinfer_mlp_block_f32
         self._plan_linear = lib.dinfer_plan_linear_f32
         self._commit = lib.dinfer_commit_f32
+        self._head = lib.dinfer_lm_head_confidence_f32
         self._xt_linear = lib.dinfer_xt_linear_f32
         self.xt_rows = (int(lib.dinfer_xt_min_rows()), int(lib.dinfer_xt_max_rows()))
         found = blas.find()
@@ -297,6 +311,22 @@ class NativeKernels:
         if self._xt_linear(weight.data_ptr(), n, k, x.data_ptr(), rows, out.data_ptr()):
             raise MemoryError(f"native linear: no memory for the transposed input ({rows} x {k})")
         return out if bias is None else out.add_(bias)
+
+    def lm_head_confidence(self, h: torch.Tensor, weight: torch.Tensor, banned: int, kind: str):
+        """(score, argmax) over h's rows for a small vocabulary (``HEAD_MAX_WEIGHTS``) in one
+        native call; None when not handled (the chunked torch head runs instead)."""
+        if kind not in HEAD_KINDS or not (_rows(h) and _rows(weight)) or weight.dim() != 2:
+            return None
+        v, k = weight.shape
+        rows = h.numel() // max(k, 1)
+        if h.shape[-1] != k or v < 2 or v * k > HEAD_MAX_WEIGHTS or rows * v * k > HEAD_MAX_WORK or banned < 0:
+            return None
+        conf = torch.empty(h.shape[:-1], dtype=torch.float32)
+        token = torch.empty(h.shape[:-1], dtype=torch.int64)
+        if self._head(h.data_ptr(), rows, k, weight.data_ptr(), v, banned, HEAD_KINDS[kind], conf.data_ptr(),
+                      token.data_ptr()):  # fmt: skip
+            raise MemoryError(f"native lm_head_confidence: no memory for a row's {v} logits")
+        return conf, token
 
     def swiglu(self, h: torch.Tensor) -> torch.Tensor | None:
         if not _rows(h) or h.shape[-1] % 2:
@@ -392,7 +422,8 @@ class NativeKernels:
         if not plan or not _rows(x) or x.dim() != 3 or x.shape[0] * x.shape[1] >= 1 << 31:
             return None
         b, t = x.shape[:2]
-        target = _attention_target(b, t, heads, kv_heads, d, positions, None, None, slots, k_cache, v_cache, key_valid)
+        target = _attention_target(b, t, heads, kv_heads, d, positions, None, None, slots, k_cache, v_cache, key_valid,
+                                   scratch=False)  # fmt: skip
         if target is None:
             return None
         keys, values, slot_ptr, sb, n = target
@@ -400,7 +431,7 @@ class NativeKernels:
         out = torch.empty((b, t, heads * d), dtype=torch.float32)
         failed = self._attention_block(
             plan[0], x.data_ptr(), b, t, positions.data_ptr(), ps[0], ps[1], cos.data_ptr(), sin.data_ptr(),
-            keys.data_ptr(), values.data_ptr(), slot_ptr, sb, n, key_valid.data_ptr(), out.data_ptr(),
+            _ptr(keys), _ptr(values), slot_ptr, sb, n, key_valid.data_ptr(), out.data_ptr(),
         )  # fmt: skip
         if failed:
             raise MemoryError(f"native attention_block: no memory for its scratch ({b} x {t} rows, {n} keys)")
@@ -507,17 +538,19 @@ class NativeKernels:
 def _identity(tensors) -> tuple:
     """Which tensors, in which state: ids and in-place versions (a plan and its packed copies
     are rebuilt when a weight is modified in place, never read stale)."""
-    return tuple((id(t), t._version) if t is not None else None for t in tensors)
+    return tuple([(id(t), t._version) if t is not None else None for t in tensors])
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _attention_target(b, t, h, kv, d, positions, q_norm, k_norm, slots, k_cache, v_cache, key_valid):
+def _attention_target(b, t, h, kv, d, positions, q_norm, k_norm, slots, k_cache, v_cache, key_valid, scratch=True):
     """Where a native attention call writes its keys / values and which slots: (keys, values,
     slot pointer, slot row stride, key count), or None when the layout is not one it reads or
-    the call is too big for the native core (long keys in a big call: SDPA's territory)."""
+    the call is too big for the native core (long keys in a big call: SDPA's territory). Without
+    a cache the keys / values are scratch tensors, or (``scratch=False``: the layer block, which
+    allocates its own) None."""
     n = t if k_cache is None else k_cache.shape[1]
     if b * t * h * n > (MAX_SHORT_KEY_SCORES if n <= MAX_NATIVE_KEYS else MAX_NATIVE_SCORES):
         return None
@@ -526,6 +559,8 @@ def _attention_target(b, t, h, kv, d, positions, q_norm, k_norm, slots, k_cache,
     if positions.dtype != torch.int64 or any(x is not None and not _rows(x) for x in (q_norm, k_norm)):
         return None
     if k_cache is None:
+        if not scratch:
+            return None, None, None, 0, n
         f32 = torch.float32
         return torch.empty((b, t, kv, d), dtype=f32), torch.empty((b, t, kv, d), dtype=f32), None, 0, n
     if not (_rows(k_cache) and _rows(v_cache)) or slots.dtype != torch.int64 or not slots.is_contiguous():
