@@ -113,6 +113,7 @@ def generate_batch(
     committed = torch.zeros(b, dtype=torch.long, device=dev)
     commit_step = torch.full((b, g), -1, dtype=torch.long, device=dev)
     ones = torch.ones(b, dtype=torch.long, device=dev)  # the quota of the unscheduled rules
+    any_done = False  # whether some row has finished (rows finish only between blocks; no sync)
     start = time.perf_counter()
     # Block-causal models (LLaDA2) align blocks to absolute position 0, so the first block may
     # hold the prompt's tail; bidirectional models start the first block right after the prompt.
@@ -123,7 +124,6 @@ def generate_batch(
         plan = strategies.linear_schedule(block_masked.sum(-1).cpu(), per_block).to(dev)  # one sync per block
         state: dict = {}
         step = 0
-        any_done = bool(done.any())  # rows finish only between blocks
         while True:
             is_mask = x[:, s:e] == mask_id
             if step % params.sync_every == 0 and not is_mask.any():  # the host sync
@@ -172,6 +172,7 @@ def generate_batch(
             fill = model.pad_id if model.pad_id in eos else (eos[0] if eos else model.pad_id)
             x[newly, e:] = fill
             done |= newly
+            any_done = True
             if done.all():
                 break
     wall = time.perf_counter() - start
