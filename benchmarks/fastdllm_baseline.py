@@ -19,16 +19,17 @@ from safetensors.torch import load_file
 
 
 class PlainLLaDA:
-    def __init__(self, path: Path, dtype: torch.dtype = torch.float32) -> None:
-        """``dtype``: of the weights and every activation (bfloat16: how the peers run on GPUs)."""
-        self.cfg, self.dtype = json.loads((path / "config.json").read_text()), dtype
-        self.w = {k: v.to(dtype) for k, v in load_file(str(path / "model.safetensors")).items()}
+    def __init__(self, path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+        """``dtype``: of the weights and every activation (bfloat16: how the peers run on GPUs);
+        ``device``: where they live (token ids and the decoding loop follow them there)."""
+        self.cfg, self.dtype, self.device = json.loads((path / "config.json").read_text()), dtype, torch.device(device)
+        self.w = {k: v.to(device, dtype) for k, v in load_file(str(path / "model.safetensors")).items()}
         c = self.cfg
         self.heads, self.hd = c["n_heads"], c["d_model"] // c["n_heads"]
         inv = c["rope_theta"] ** (-torch.arange(0, self.hd, 2, dtype=torch.float32) / self.hd)
         ang = torch.outer(torch.arange(c["max_sequence_length"], dtype=torch.float32), inv)
         ang = torch.cat((ang, ang), -1)
-        self.cos, self.sin = ang.cos().to(dtype), ang.sin().to(dtype)
+        self.cos, self.sin = ang.cos().to(device, dtype), ang.sin().to(device, dtype)
 
     def _norm(self, x, name):
         return self.w[name] * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg["rms_norm_eps"]))
@@ -76,19 +77,21 @@ def generate(
     """Returns (tokens [B, gen_length], forwards). Prompts in one batch share a length (no padding).
     ``cache=False``: every step is a full forward (Fast-dLLM's parallel decoding without cache)."""
     mask_id = model.cfg["mask_token_id"]
+    prompt = prompt.to(model.device)
     b, p = prompt.shape
-    x = torch.cat((prompt, torch.full((b, gen_length), mask_id)), 1)
+    x = torch.cat((prompt, torch.full((b, gen_length), mask_id, device=model.device)), 1)
+    rows = torch.arange(b, device=model.device)
     nfe = 0
     for s in range(p, p + gen_length, block_length):
         e = s + block_length
         first = True
         while (x[:, s:e] == mask_id).any():
             if first or not cache:
-                logits, past = model.forward(x, torch.arange(x.shape[1]))
+                logits, past = model.forward(x, torch.arange(x.shape[1], device=model.device))
                 logits = logits[:, s:e]
                 first = False
             else:
-                logits, _ = model.forward(x[:, s:e], torch.arange(s, e), past=past, replace=(s, e))
+                logits, _ = model.forward(x[:, s:e], torch.arange(s, e, device=model.device), past=past, replace=(s, e))
             nfe += 1
             logits[..., mask_id] = float("-inf")
             probs = logits.double().softmax(-1)
@@ -97,6 +100,6 @@ def generate(
             conf = torch.where(masked, conf, torch.tensor(-1.0, dtype=conf.dtype))
             commit = masked & (conf >= tau)
             best = conf.argmax(-1)
-            commit[torch.arange(b), best] |= masked[torch.arange(b), best]
+            commit[rows, best] |= masked[rows, best]
             x[:, s:e] = torch.where(commit, x0, x[:, s:e])
-    return x[:, p:], nfe
+    return x[:, p:].cpu(), nfe

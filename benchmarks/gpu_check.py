@@ -172,6 +172,7 @@ def llada_8b_step(backend_name: str, context: int = 1024, block: int = 32, tpf: 
         .item(),
     }
     exe.run = exe._program
+    profile = step_profile(lambda: model.forward(ids, cache=cache, compute=blk))
     graphs = {}
     if backend.name == "cuda":  # the same step replayed from a CUDA graph (DINFER_GRAPHS=1)
         from dinfer_rt.backends.triton.graphs import GraphedExecutable
@@ -203,7 +204,65 @@ def llada_8b_step(backend_name: str, context: int = 1024, block: int = 32, tpf: 
         "forwards": steps + 1,
         **interpreted,
         **graphs,
+        "profile": profile,
     }
+
+
+def step_profile(fn, steps: int = 3, top: int = 15) -> list[dict]:
+    """Where a step's device time goes: torch.profiler's kernels, the ``top`` by device time, per
+    step (the step is run once first so compiles and allocations stay out)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        sync()
+
+    def device_us(e) -> float:
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    events = [e for e in prof.key_averages() if device_us(e) > 0]
+    events.sort(key=device_us, reverse=True)
+    total = sum(device_us(e) for e in events)
+    rows = [
+        {"kernel": e.key[:90], "ms_per_step": device_us(e) / steps / 1e3, "calls_per_step": e.count / steps}
+        for e in events[:top]
+    ]
+    return [{"kernel": "(all device time)", "ms_per_step": total / steps / 1e3, "calls_per_step": 0}] + rows
+
+
+def wq_tile_sweep(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> list[dict]:
+    """linear_wq's launch tiles on this device (one layer shape), fastest first: the data a tuning
+    row's gemm_* entries are chosen from."""
+    import triton
+
+    from dinfer_rt.backends.triton import kernels as kern
+
+    m, k = x.shape
+    n = q.shape[0]
+    fp8 = q.dtype == torch.float8_e4m3fn
+    qb = q.view(torch.uint8) if fp8 else q
+    y = torch.empty(m, n, device=DEV, dtype=x.dtype)
+    rows = []
+    for bm in (16, 32):
+        for bn in (32, 64, 128):
+            for bk in (64, 128, 256):
+                for warps in (4, 8):
+                    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps}
+                    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+
+                    def launch(cfg=cfg, grid=grid):
+                        kern.linear_wq_kernel[grid](
+                            x, qb, scale, scale, y, m, n, k, HAS_BIAS=False, FP8=fp8, DOT_F32=False, **cfg
+                        )
+
+                    try:
+                        rows.append({**cfg, "ms": cuda_time(launch, 20)})
+                    except Exception as e:  # a tile this arch cannot compile (shared memory, registers)
+                        rows.append({**cfg, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
+    return sorted(rows, key=lambda r: r.get("ms", float("inf")))
 
 
 def quant_checks(backend) -> list[dict]:
@@ -232,6 +291,8 @@ def quant_checks(backend) -> list[dict]:
                 "bf16_ms": bf16_ms,
             }
             row["passed"] = row["max_rel"] <= 2e-2
+            if out_f == 4096:
+                row["tile_sweep"] = wq_tile_sweep(x, q, scale)[:6]
             if fmt == "fp8" and hasattr(torch, "_scaled_mm") and DEV == "cuda":
                 xs = x.abs().max().float() / 448.0
                 x8 = (x.float() / xs).to(torch.float8_e4m3fn)
@@ -331,6 +392,108 @@ def cache_policy_checks(backend_name: str) -> list[dict]:
     return rows
 
 
+def run_sections(sections: dict, result: dict, out_json: Path) -> None:
+    """Run each section in turn; one that raises is recorded with its traceback and the next one
+    still runs, and the JSON is rewritten after every section, so a run stopped at its time limit
+    (or a crash in one kernel) still leaves everything measured before it."""
+    import traceback
+
+    for key, fn in sections.items():
+        t0 = time.perf_counter()
+        print(f"gpu_check: {key} ...", flush=True)
+        try:
+            result[key] = fn()
+        except Exception as e:  # recorded, reported in the markdown, and the run goes on
+            result[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            print(result[key]["traceback"], flush=True)
+        result.setdefault("section_s", {})[key] = round(time.perf_counter() - t0, 1)
+        print(f"gpu_check: {key} done in {result['section_s'][key]} s", flush=True)
+        out_json.write_text(json.dumps(result, indent=1, default=str))
+
+
+def failed(section) -> str | None:
+    """The error text of a section that raised, else None."""
+    return section.get("error") if isinstance(section, dict) else None
+
+
+def render(result: dict) -> list[str]:
+    """The markdown report; a section that raised shows its error instead of its table."""
+    lines = [f"# Device check on {result['device']}", ""]
+    for key in result.get("section_s", {}):
+        if failed(result.get(key)):
+            lines += [f"**{key} failed**: `{failed(result[key])}`", ""]
+    if not failed(result.get("ceilings")):
+        c = result["ceilings"]
+        lines += [
+            f"ceilings: copy bandwidth {c['copy_gb_s']:.0f} GB/s, bf16 matmul {c['matmul_tflops']:.0f} TFLOP/s",
+            "",
+        ]
+    if isinstance(result.get("kernels"), list):
+        copy_gbs = result["ceilings"]["copy_gb_s"] if not failed(result.get("ceilings")) else float("nan")
+        tflops = result["ceilings"]["matmul_tflops"] if not failed(result.get("ceilings")) else float("nan")
+        lines += [
+            "| kernel | dtype | max rel err | passed | ms | eager ms | GB/s | % of copy | TFLOP/s | % of matmul |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['kernel']} | {r['dtype']} | {r['max_rel']:.1e} | {r['passed']} | {r['ms']:.3f} | "
+            f"{r['eager_ms']:.3f} | {r['gb_s']:.0f} | {100 * r['gb_s'] / copy_gbs:.0f} | "
+            f"{r['tflops']:.1f} | {100 * r['tflops'] / tflops:.0f} |"
+            for r in result["kernels"]
+        ]
+    s = result.get("llada_8b_dual_cache_step")
+    if s and not failed(s):
+        lines += [
+            "",
+            f"LLaDA-8B-shaped bf16 step (block 32, context 1024): {s['step_ms']:.2f} ms vs weight-bytes floor "
+            f"{s['weight_bytes_floor_ms']:.2f} ms ({s['ratio_to_floor']:.2f}x); {s['tokens_per_s_at_tpf']:.0f} tok/s "
+            f"at {s['tokens_per_forward']} tokens/forward",
+            f"same step through the step interpreter: {s['interpreted_step_ms']:.2f} ms "
+            f"(max |generated - interpreted| = {s['generated_vs_interpreted_max_abs']:.2e})",
+        ]
+        if "graph_step_ms" in s:
+            lines.append(
+                f"CUDA-graph replay of that step: {s['graph_step_ms']:.2f} ms "
+                f"(max |graphed - eager| = {s['graph_vs_eager_max_abs']:.2e})"
+            )
+        if s.get("profile"):
+            lines += ["", "| device time of one step, by kernel | ms per step | calls per step |", "|---|---|---|"]
+            lines += [f"| `{r['kernel']}` | {r['ms_per_step']:.3f} | {r['calls_per_step']:.0f} |" for r in s["profile"]]
+    v = result.get("serving")
+    if v and not failed(v):
+        lines.append(
+            f"continuous batching: per-row windows max rel err {v['per_row_max_rel']:.1e} "
+            f"(passed {v['per_row_passed']}); engine {v['engine_tokens_per_s']:.0f} tok/s vs offline batched "
+            f"{v['offline_tokens_per_s']:.0f} tok/s, outputs equal {v['engine_equal_outputs']}"
+        )
+    if isinstance(result.get("cache_policies"), list):
+        lines += ["", "| cache policy (embedded task, batch 50) | accuracy | tokens/s |", "|---|---|---|"]
+        lines += [f"| {r['cache']} | {r['accuracy']:.3f} | {r['tokens_per_s']:.0f} |" for r in result["cache_policies"]]
+    if isinstance(result.get("quantized_gemm"), list):
+        lines += [
+            "",
+            "| dequant GEMM | format | max rel err | passed | ms | bf16 GEMM ms | _scaled_mm ms |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['layer']} | {r['format']} | {r['max_rel']:.1e} | {r['passed']} | {r['ms']:.3f} | "
+            f"{r['bf16_ms']:.3f} | {r.get('scaled_mm_ms', r.get('scaled_mm_error', '-'))} |"
+            for r in result["quantized_gemm"]
+        ]
+        for r in result["quantized_gemm"]:
+            if r.get("tile_sweep"):
+                best = ", ".join(
+                    f"{t['BLOCK_M']}x{t['BLOCK_N']}x{t['BLOCK_K']}/{t['num_warps']}w {t['ms']:.3f} ms"
+                    for t in r["tile_sweep"]
+                    if "ms" in t
+                )
+                lines.append(f"- linear_wq {r['format']} {r['layer']} fastest tiles (M x N x K / warps): {best}")
+    p = result.get("precision_schedule_step")
+    if p and not failed(p):
+        lines.append(f"precision schedule on the LLaDA-8B-shaped step: {p}")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -341,76 +504,32 @@ def main() -> None:
     backend = select_backend(args.backend)  # the standard unavailable-backend error if there is no device
     DEV = backend.device_type
     name = backend.describe()
+    stem = {"cuda": "gpu_check", "npu": "ascend_check"}.get(DEV, "gpu_check")
+    stem = "dcu_check" if backend.name == "rocm_dcu" else stem
     result = {
         "device": f"{name} ({getattr(torch, DEV).get_device_name()})",
         "backend": name,
         "versions": backend.versions(),
         "torch": torch.__version__,
-        "copy_gb_s": copy_bandwidth_gbs(),
-        "matmul_tflops": matmul_tflops(),
-        "kernels": kernel_checks(backend),
-        "llada_8b_dual_cache_step": llada_8b_step(args.backend),
-        "serving": serving_checks(args.backend),
-        "cache_policies": cache_policy_checks(args.backend),
-        "quantized_gemm": quant_checks(backend),
-        "precision_schedule_step": schedule_step_cost(args.backend),
     }
-    stem = {"cuda": "gpu_check", "npu": "ascend_check"}.get(DEV, "gpu_check")
-    stem = "dcu_check" if backend.name == "rocm_dcu" else stem
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
-    lines = [
-        f"# Device check on {result['device']}",
-        "",
-        f"ceilings: copy bandwidth {result['copy_gb_s']:.0f} GB/s, bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s",
-        "",
-        "| kernel | dtype | max rel err | passed | ms | eager ms | GB/s | % of copy | TFLOP/s | % of matmul |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {r['kernel']} | {r['dtype']} | {r['max_rel']:.1e} | {r['passed']} | {r['ms']:.3f} | "
-        f"{r['eager_ms']:.3f} | {r['gb_s']:.0f} | {100 * r['gb_s'] / result['copy_gb_s']:.0f} | "
-        f"{r['tflops']:.1f} | {100 * r['tflops'] / result['matmul_tflops']:.0f} |"
-        for r in result["kernels"]
-    ]
-    s = result["llada_8b_dual_cache_step"]
-    lines += [
-        "",
-        f"LLaDA-8B-shaped bf16 step (block 32, context 1024): {s['step_ms']:.2f} ms vs weight-bytes floor "
-        f"{s['weight_bytes_floor_ms']:.2f} ms ({s['ratio_to_floor']:.2f}x); {s['tokens_per_s_at_tpf']:.0f} tok/s at "
-        f"{s['tokens_per_forward']} tokens/forward",
-    ]
-    lines.append(
-        f"same step through the step interpreter: {s['interpreted_step_ms']:.2f} ms "
-        f"(max |generated - interpreted| = {s['generated_vs_interpreted_max_abs']:.2e})"
-    )
-    if "graph_step_ms" in s:
-        lines.append(
-            f"CUDA-graph replay of that step: {s['graph_step_ms']:.2f} ms "
-            f"(max |graphed - eager| = {s['graph_vs_eager_max_abs']:.2e})"
-        )
-    v = result["serving"]
-    lines.append(
-        f"continuous batching: per-row windows max rel err {v['per_row_max_rel']:.1e} (passed {v['per_row_passed']}); "
-        f"engine {v['engine_tokens_per_s']:.0f} tok/s vs offline batched {v['offline_tokens_per_s']:.0f} tok/s, "
-        f"outputs equal {v['engine_equal_outputs']}"
-    )
-    lines += ["", "| cache policy (embedded task, batch 50) | accuracy | tokens/s |", "|---|---|---|"]
-    lines += [f"| {r['cache']} | {r['accuracy']:.3f} | {r['tokens_per_s']:.0f} |" for r in result["cache_policies"]]
-    lines += [
-        "",
-        "| dequant GEMM | format | max rel err | passed | ms | bf16 GEMM ms | _scaled_mm ms |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {r['layer']} | {r['format']} | {r['max_rel']:.1e} | {r['passed']} | {r['ms']:.3f} | {r['bf16_ms']:.3f} | "
-        f"{r.get('scaled_mm_ms', r.get('scaled_mm_error', '-'))} |"
-        for r in result["quantized_gemm"]
-    ]
-    lines.append(f"precision schedule on the LLaDA-8B-shaped step: {result['precision_schedule_step']}")
+    sections = {
+        "ceilings": lambda: {"copy_gb_s": copy_bandwidth_gbs(), "matmul_tflops": matmul_tflops()},
+        "kernels": lambda: kernel_checks(backend),
+        "quantized_gemm": lambda: quant_checks(backend),
+        "llada_8b_dual_cache_step": lambda: llada_8b_step(args.backend),
+        "serving": lambda: serving_checks(args.backend),
+        "cache_policies": lambda: cache_policy_checks(args.backend),
+        "precision_schedule_step": lambda: schedule_step_cost(args.backend),
+    }
+    run_sections(sections, result, args.out / f"{stem}.json")
+    lines = render(result)
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    if not all(r["passed"] for r in result["kernels"] + result["quantized_gemm"]) or not v["per_row_passed"]:
-        raise SystemExit(f"{stem}: a kernel failed its tolerance")
+    checked = [r for key in ("kernels", "quantized_gemm") if isinstance(result.get(key), list) for r in result[key]]
+    errors = [key for key in sections if failed(result.get(key))]
+    serving_ok = not isinstance(result.get("serving"), dict) or result["serving"].get("per_row_passed", False)
+    if errors or not all(r["passed"] for r in checked) or not serving_ok:
+        raise SystemExit(f"{stem}: failed sections {errors}, or a kernel out of its tolerance (see the report)")
 
 
 if __name__ == "__main__":

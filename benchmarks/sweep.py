@@ -228,15 +228,24 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--repeats", type=int, default=3, help="runs per configuration; wall time is their median")
     ap.add_argument("--quick", action="store_true", help="only the batch-50 rows the targets need (about 12 min)")
+    ap.add_argument(
+        "--backend",
+        default="cpu",
+        help="dinfer-rt's backend; the baseline runs on the same torch device (cuda: both on the GPU)",
+    )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    llms = {"fp32": LLM(args.model)}
-    os.environ[envs.DINFER_CPU_MATMUL] = "bf16"  # read when that LLM's backend is chosen
-    try:
-        llms["bf16"] = LLM(args.model)
-    finally:
-        os.environ.pop(envs.DINFER_CPU_MATMUL)
-    plain = PlainLLaDA(args.model)
+    llms = {"fp32": LLM(args.model, backend=args.backend)}
+    device = llms["fp32"].model.backend.device_type
+    if device == "cpu":
+        os.environ[envs.DINFER_CPU_MATMUL] = "bf16"  # read when that LLM's backend is chosen
+        try:
+            llms["bf16"] = LLM(args.model, backend=args.backend)
+        finally:
+            os.environ.pop(envs.DINFER_CPU_MATMUL)
+    else:  # on a device the bf16 rows run the whole model in bfloat16, as the peers do there
+        llms["bf16"] = LLM(args.model, backend=args.backend, dtype=torch.bfloat16)
+    plain = PlainLLaDA(args.model, device=device)
     one, many = task.heldout(args.limit_batch1), task.heldout(args.limit)
     runs = [dinfer_run(llms, cfg, args.batch_size, args.limit) for cfg in (QUICK if args.quick else CONFIGS)]
     runs += [dinfer_run(llms, cfg, 1, args.limit_batch1) for cfg in BATCH1]
@@ -244,10 +253,16 @@ def main() -> None:
         runs.append(functools.partial(run_baseline, args.model, one, 1, b, False, plain))
         runs.append(functools.partial(run_baseline, args.model, many, args.batch_size, b, True, plain))
     runs.append(functools.partial(run_baseline, args.model, one, 1, 8, True, plain))
-    plain_bf16 = PlainLLaDA(args.model, torch.bfloat16)  # information: the peers' GPU dtype, on this CPU
+    plain_bf16 = PlainLLaDA(args.model, torch.bfloat16, device)  # information: the peers' GPU dtype
     runs.append(functools.partial(run_baseline, args.model, one, 1, 40, False, plain_bf16))
     rows = in_rounds(runs, args.repeats)
-    meta = {"torch_threads": torch.get_num_threads(), "repeats": args.repeats, "limit": args.limit}
+    meta = {
+        "torch_threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+        "limit": args.limit,
+        "backend": llms["fp32"].model.backend.describe(),
+        "device": device,
+    }
     (args.out / "results.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     lines = [
         "| configuration | batch | items | accuracy | tokens/forward | tokens/s | wall s |",
@@ -270,7 +285,7 @@ def main() -> None:
         print("matplotlib not installed: no plot (pip install 'dinfer-rt[bench]')")
         return
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    for ax, key, name in ((axes[0], "tpf", "tokens per forward"), (axes[1], "tokens_per_s", "tokens / s (CPU)")):
+    for ax, key, name in ((axes[0], "tpf", "tokens per forward"), (axes[1], "tokens_per_s", f"tokens / s ({device})")):
         for r in rows:
             base = r["system"] == "baseline"
             one = r["batch"] == 1
@@ -280,7 +295,7 @@ def main() -> None:
         ax.set_xlabel(name)
         ax.set_ylabel("exact-match accuracy")
         ax.grid(alpha=0.3)
-    fig.suptitle(f"embedded model, {args.limit} held-out items")
+    fig.suptitle(f"embedded model, {args.limit} held-out items, {meta['backend']}")
     fig.tight_layout()
     fig.savefig(args.out / "sweep.png", dpi=120)
 

@@ -518,6 +518,17 @@ def moe_down_kernel(
 
 
 @triton.jit
+def _dequant_dot(acc, x, w, dtype: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc + x @ round(w): the dequantised fp32 tile ``w`` rounded to the activations' dtype, as
+    the reference dequantises the whole weight. ``DOT_F32`` (fp32 activations, the interpreter):
+    an IEEE fp32 dot; else both tiles stay 16-bit for the tensor cores: products of 16-bit
+    values are exact in fp32, so only the summation order differs from the fp32 dot."""
+    if DOT_F32:
+        return acc + tl.dot(x.to(tl.float32), _round(w, dtype), input_precision="ieee")
+    return tl.dot(x, _narrow(w, dtype), acc)
+
+
+@triton.jit
 def linear_wq_kernel(
     x_ptr,
     q_ptr,
@@ -529,6 +540,7 @@ def linear_wq_kernel(
     K,
     HAS_BIAS: tl.constexpr,
     FP8: tl.constexpr,
+    DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -536,7 +548,8 @@ def linear_wq_kernel(
     """Weight-only dequant GEMM: y = x (q * s)^T (+ b) for x [M, K], q [N, K] int8 (or fp8 e4m3
     bytes, ``FP8``: passed as uint8 and bitcast, which the interpreter also takes), per-row
     scale s [N]. Each weight tile is dequantised in registers and rounded to x's dtype, as the
-    reference dequantises the whole weight; fp32 accumulation, output in x's dtype."""
+    reference dequantises the whole weight (``_dequant_dot``); fp32 accumulation, output in x's
+    dtype."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -551,8 +564,8 @@ def linear_wq_kernel(
         q = tl.load(q_ptr + cols[None, :] * K + ks[:, None], mask=km[:, None] & cm[None, :], other=0)
         if FP8:
             q = q.to(tl.float8e4nv, bitcast=True)
-        w = _round(q.to(tl.float32) * scale[None, :], dtype)
-        acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        w = q.to(tl.float32) * scale[None, :]
+        acc = _dequant_dot(acc, x, w, dtype, DOT_F32)
     if HAS_BIAS:
         acc = _round(acc, dtype) + tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], _narrow(acc, dtype), mask=rm[:, None] & cm[None, :])
@@ -572,6 +585,7 @@ def linear_gptq_kernel(
     K,
     zero_offset,
     HAS_BIAS: tl.constexpr,
+    DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -597,8 +611,8 @@ def linear_gptq_kernel(
         zword = tl.load(qz_ptr + grp[:, None] * (N // 8) + (cols // 8)[None, :], mask=wm, other=0)
         z = ((zword >> ((cols % 8) * 4)[None, :]) & 0xF) + zero_offset
         sc = _round(tl.load(s_ptr + grp[:, None] * N + cols[None, :], mask=wm, other=0.0).to(tl.float32), dtype)
-        w = _round((q - z).to(tl.float32) * sc, dtype)
-        acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        w = (q - z).to(tl.float32) * sc
+        acc = _dequant_dot(acc, x, w, dtype, DOT_F32)
     if HAS_BIAS:
         acc = _round(acc, dtype) + tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], _narrow(acc, dtype), mask=rm[:, None] & cm[None, :])

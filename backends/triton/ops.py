@@ -90,6 +90,20 @@ def confidence(logits, *, banned, kind="max", launch: Callable[[int, int, int], 
     return score, token
 
 
+_INV_FREQ: dict[tuple, torch.Tensor] = {}
+
+
+def inv_freq(theta: float, rotary_dim: int, device: torch.device) -> torch.Tensor:
+    """The reference's fp32 inverse frequencies (computed on the CPU as it does, so the angles
+    match it exactly), copied to ``device`` once: a per-call host-to-device copy would also break
+    CUDA / ACL graph capture, which refuses copies from pageable host memory."""
+    key = (float(theta), int(rotary_dim), str(device))
+    if key not in _INV_FREQ:
+        cpu = theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+        _INV_FREQ[key] = cpu.to(device)
+    return _INV_FREQ[key]
+
+
 def make_kernels(
     tuning: dict, interpret: bool, launch_config: Callable[[str], dict], tuner: Autotuner | None = None
 ) -> dict[str, Callable]:
@@ -98,6 +112,11 @@ def make_kernels(
     under Triton's interpreter (16-bit dot tiles are widened to fp32 there, see kernels._round).
     ``tuner`` (DINFER_AUTOTUNE=1): attention tiles are timed once per shape bucket and cached."""
     tuned = {name: launch_config(name) for name in KERNELS}
+
+    def dot_f32(x: torch.Tensor) -> bool:
+        """Dequant GEMMs: fp32 dots for fp32 activations (IEEE, no TF32) and under the
+        interpreter; 16-bit activations meet the tile rounded to their dtype on tensor cores."""
+        return interpret or x.dtype == torch.float32
 
     def row(name: str, n: int) -> dict:
         return {**row_config(n, tuning), **tuned[name]}
@@ -131,8 +150,7 @@ def make_kernels(
     def rope(x, positions, *, theta, rotary_dim):
         xc = x.contiguous()
         b, t, heads, d = xc.shape
-        # The reference's fp32 inverse frequencies, so the angles match it exactly.
-        inv = (theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)).to(xc.device)
+        inv = inv_freq(theta, rotary_dim, xc.device)
         y = torch.empty_like(xc)
         rows = b * t * heads
         rest = triton.next_power_of_2(d - rotary_dim) if d > rotary_dim else 0
@@ -175,7 +193,9 @@ def make_kernels(
         cfg = tuned["linear_wq"]
         grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
         b = bias if bias is not None else scale
-        kern.linear_wq_kernel[grid](xc, q, scale, b, y, m, n, k, HAS_BIAS=bias is not None, FP8=fp8, **cfg)
+        kern.linear_wq_kernel[grid](
+            xc, q, scale, b, y, m, n, k, HAS_BIAS=bias is not None, FP8=fp8, DOT_F32=dot_f32(x), **cfg
+        )
         return y.reshape(*x.shape[:-1], n)
 
     def linear_gptq(x, qweight, qzeros, scales, g_idx, bias=None, *, zero_offset=1):
@@ -188,7 +208,9 @@ def make_kernels(
         grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
         tensors = (qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), g_idx.contiguous())
         b = bias if bias is not None else scales
-        kern.linear_gptq_kernel[grid](xc, *tensors, b, y, m, n, k, zero_offset, HAS_BIAS=bias is not None, **cfg)
+        kern.linear_gptq_kernel[grid](
+            xc, *tensors, b, y, m, n, k, zero_offset, HAS_BIAS=bias is not None, DOT_F32=dot_f32(x), **cfg
+        )
         return y.reshape(*x.shape[:-1], n)
 
     def attention(q, k, v, key_valid, token_index, k_cache=None, v_cache=None, *, scale, block_size=None):
