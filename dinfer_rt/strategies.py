@@ -34,14 +34,15 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     if temperature == 0:
         return logits.argmax(-1)
     z = logits.double()
-    u = torch.rand(z.shape, dtype=torch.float64, generator=generator).clamp_min(1e-30)
+    # drawn on the host generator and moved: the same seed samples the same tokens on every backend
+    u = torch.rand(z.shape, dtype=torch.float64, generator=generator).to(z.device).clamp_min(1e-30)
     return (z - temperature * torch.log(-torch.log(u))).argmax(-1)
 
 
 def linear_schedule(n_masked: torch.Tensor, steps: int) -> torch.Tensor:
     """[B] counts -> [B, steps]: step j commits k // S + (j < k % S) (LLaDA ``get_num_transfer_tokens``)."""
     base = (n_masked // steps)[:, None].expand(-1, steps)
-    extra = (torch.arange(steps)[None, :] < (n_masked % steps)[:, None]).long()
+    extra = (torch.arange(steps, device=n_masked.device)[None, :] < (n_masked % steps)[:, None]).long()
     return base + extra
 
 
@@ -49,7 +50,9 @@ def _top_quota(score: torch.Tensor, masked: torch.Tensor, quota: torch.Tensor) -
     """Commit the ``quota[r]`` best-scoring masked slots of each row (batched, rank-masked top-k)."""
     score = score.masked_fill(~masked, NEG)
     order = score.argsort(dim=-1, descending=True, stable=True)  # ties: the lower slot (as native.c)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(score.shape[-1]).expand_as(order))
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(score.shape[-1], device=score.device).expand_as(order)
+    )
     q = torch.minimum(quota.clamp_min(1), masked.sum(-1))
     return masked & (rank < q[:, None])
 
@@ -81,7 +84,7 @@ def low_confidence(s: StepInput):
 
 def random_remask(s: StepInput):
     x0 = sample(s.logits, s.temperature, s.generator)
-    score = torch.rand(s.masked.shape, generator=s.generator)
+    score = torch.rand(s.masked.shape, generator=s.generator).to(s.masked.device)
     return x0, _top_quota(score, s.masked, s.quota)
 
 
@@ -125,7 +128,7 @@ def make_factor(f: float) -> Callable:
     def factor(s: StepInput):
         x0, conf = candidates(s)
         c = conf.masked_fill(~s.masked, NEG).sort(-1, descending=True).values
-        n = torch.arange(1, c.shape[-1] + 1)
+        n = torch.arange(1, c.shape[-1] + 1, device=c.device)
         ok = ((n + 1) * (1 - c) < f) & (c > NEG)
         count = ok.long().cumprod(-1).sum(-1)  # the scan stops at the first failure
         return x0, _top_quota(conf, s.masked, count)  # a count of 0 still commits the best slot
@@ -143,7 +146,7 @@ def make_hierarchical(high: float, low: float) -> Callable:
         b, L = s.masked.shape
         start = s.masked & ~torch.nn.functional.pad(s.masked, (1, 0))[:, :L]
         seg = start.long().cumsum(-1) * s.masked  # segment id per masked slot, 0 elsewhere
-        seg_max = torch.full((b, L + 1), NEG).scatter_reduce(1, seg, conf, reduce="amax")
+        seg_max = torch.full((b, L + 1), NEG, device=conf.device).scatter_reduce(1, seg, conf, reduce="amax")
         rep = s.masked & (conf == seg_max.gather(1, seg)) & (conf > low)
         return x0, _at_least_one((conf > high) | rep, conf, s.masked)
 
@@ -157,7 +160,7 @@ def make_credit(tau: float, decay: float, boost: float, alpha: float) -> Callabl
     def credit(s: StepInput):
         c = s.state.get("credit")
         if c is None or c.shape != s.logits.shape:
-            c = torch.zeros(s.logits.shape, dtype=torch.float32)
+            c = torch.zeros(s.logits.shape, dtype=torch.float32, device=s.logits.device)
         else:
             c = c * decay
         p1, i1 = s.logits.float().softmax(-1).max(-1)

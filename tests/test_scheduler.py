@@ -158,6 +158,21 @@ def test_prompt_too_long_and_empty_prompt(ckpt_dir):
         llm.generate("   ")
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_rules_keep_their_tensors_on_the_logits_device(strategy, temperature):
+    """Every rule builds its tensors on the device its inputs live on (the first H200 run found
+    credit, hierarchical and the sampler building theirs on the host). On these CPU machines the
+    inputs go to torch's ``meta`` device, which refuses host tensors the way CUDA does."""
+    rule = strategies.build(SamplingParams(strategy=strategy, temperature=temperature).validate())
+    logits = torch.randn(2, 5, 7).to("meta")
+    masked = torch.tensor([[1, 1, 0, 1, 1], [0, 1, 1, 1, 0]], dtype=torch.bool).to("meta")
+    quota = torch.tensor([2, 1]).to("meta")
+    x0, commit = rule(strategies.StepInput(logits, masked, quota, temperature, torch.Generator().manual_seed(0)))
+    assert (x0.device.type, commit.device.type) == ("meta", "meta")
+    assert x0.shape == commit.shape == (2, 5)
+
+
 # ------------------------------------------------------------------ rule invariants (hypothesis)
 
 

@@ -33,6 +33,10 @@ GPU_DEFAULTS = {
     "gemm_k": 32,
     "gemm_warps": 4,
     "router_elems": 512,  # router tile (rows x padded experts): top-k keeps several copies live
+    # dequant GEMM tiles (linear_wq / linear_gptq): long K tiles stream the weight; measured on an
+    # H200, 32 rows x 4096 -> 4096 int8: 16x32x128 / 4 warps 0.038 ms, the bf16 cuBLAS GEMM 0.036
+    "dequant_n": 32,
+    "dequant_k": 128,
 }
 
 # What DINFER_AUTOTUNE=1 tries on top of a row's defaults (timed once per shape bucket, cached).
@@ -69,8 +73,9 @@ def default_config(kernel: str, t: dict) -> dict:
         return {"ROWS": max(t["rows"], 16) if t["rows"] > 1 else 16}
     if kernel in ("linear_wq", "linear_gptq"):
         # the interpreter runs one Python step per program and K tile: big tiles there (GPU rows keep 1 row)
-        m, n = (t["gemm_m"], t["gemm_n"]) if t["rows"] == 1 else (128, 128)
-        return {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": t["gemm_k"], "num_warps": t["gemm_warps"]}
+        if t["rows"] == 1:
+            return {"BLOCK_M": t["gemm_m"], "BLOCK_N": t["dequant_n"], "BLOCK_K": t["dequant_k"], "num_warps": 4}
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": t["gemm_k"], "num_warps": t["gemm_warps"]}
     if kernel in ("lm_head_confidence", "moe"):
         head = {"BLOCK_V": t["gemm_n"]} if kernel == "lm_head_confidence" else {"BLOCK_N": t["gemm_n"]}
         return {"BLOCK_M": t["gemm_m"], "BLOCK_K": t["gemm_k"], "num_warps": t["gemm_warps"], **head}
