@@ -143,9 +143,9 @@ def generate_batch(
                         step_in = strategies.StepInput(None, masked, quota, 0.0, gen, state, x0=out[0], conf=out[1])
                     else:
                         out[..., mask_id] = float("-inf")  # never commit the mask token
-                        step_in = strategies.StepInput(out, masked, quota, params.temperature, gen, state)
+                        step_in = strategies.on_logits_device(out, masked, quota, params.temperature, gen, state)
                     x0, commit = rule(step_in)
-                    return x0, commit & masked
+                    return x0.to(masked.device), commit.to(masked.device) & masked
 
                 saved = (dict(state), gen.get_state()) if precision is not None else None
                 x0, commit = decide(out)

@@ -29,6 +29,16 @@ class StepInput:
     conf: torch.Tensor | None = None  # model's confidence head (greedy rules in STATS_ONLY)
 
 
+def on_logits_device(
+    logits: torch.Tensor, masked: torch.Tensor, quota: torch.Tensor, temperature: float, generator, state: dict
+) -> StepInput:
+    """The rules' input for the logits path: the scheduler keeps ``masked`` / ``quota`` on the
+    host while a device backend's logits stay on the device ([B, L, V] is the big one), so the
+    small tensors move to the logits and the rule runs there."""
+    dev = logits.device
+    return StepInput(logits, masked.to(dev), quota.to(dev), temperature, generator, state)
+
+
 def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
     """Greedy at T=0; otherwise Gumbel-max in float64 (LLaDA: low precision hurts quality)."""
     if temperature == 0:

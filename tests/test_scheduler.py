@@ -161,14 +161,17 @@ def test_prompt_too_long_and_empty_prompt(ckpt_dir):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_rules_keep_their_tensors_on_the_logits_device(strategy, temperature):
-    """Every rule builds its tensors on the device its inputs live on (the first H200 run found
-    credit, hierarchical and the sampler building theirs on the host). On these CPU machines the
-    inputs go to torch's ``meta`` device, which refuses host tensors the way CUDA does."""
+    """Every rule runs on the device its logits live on (the first H200 runs found credit,
+    hierarchical and the sampler building tensors on the host, and credit mixing in the host-side
+    mask). On these CPU machines the logits go to torch's ``meta`` device, which refuses host
+    tensors the way CUDA does."""
     rule = strategies.build(SamplingParams(strategy=strategy, temperature=temperature).validate())
     logits = torch.randn(2, 5, 7).to("meta")
-    masked = torch.tensor([[1, 1, 0, 1, 1], [0, 1, 1, 1, 0]], dtype=torch.bool).to("meta")
-    quota = torch.tensor([2, 1]).to("meta")
-    x0, commit = rule(strategies.StepInput(logits, masked, quota, temperature, torch.Generator().manual_seed(0)))
+    # as the scheduler holds them: the mask and the quota on the host, the logits on the device
+    masked = torch.tensor([[1, 1, 0, 1, 1], [0, 1, 1, 1, 0]], dtype=torch.bool)
+    quota = torch.tensor([2, 1])
+    gen = torch.Generator().manual_seed(0)
+    x0, commit = rule(strategies.on_logits_device(logits, masked, quota, temperature, gen, {}))
     assert (x0.device.type, commit.device.type) == ("meta", "meta")
     assert x0.shape == commit.shape == (2, 5)
 
