@@ -233,8 +233,15 @@ def main() -> None:
         default="cpu",
         help="dinfer-rt's backend; the baseline runs on the same torch device (cuda: both on the GPU)",
     )
+    ap.add_argument(
+        "--graphs",
+        action="store_true",
+        help="dinfer-rt replays captured device graphs (DINFER_GRAPHS=1; cuda / ascend backends)",
+    )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.graphs:
+        os.environ[envs.DINFER_GRAPHS] = "1"  # read when each executable is compiled
     llms = {"fp32": LLM(args.model, backend=args.backend)}
     device = llms["fp32"].model.backend.device_type
     if device == "cpu":
@@ -255,6 +262,12 @@ def main() -> None:
     runs.append(functools.partial(run_baseline, args.model, one, 1, 8, True, plain))
     plain_bf16 = PlainLLaDA(args.model, torch.bfloat16, device)  # information: the peers' GPU dtype
     runs.append(functools.partial(run_baseline, args.model, one, 1, 40, False, plain_bf16))
+    if device != "cpu":  # kernel JIT compiles and graph captures happen here, not in a timed row
+        warm = [dinfer_run(llms, cfg, args.batch_size, args.batch_size) for cfg in (QUICK if args.quick else CONFIGS)]
+        warm += [dinfer_run(llms, cfg, 1, 1) for cfg in BATCH1]
+        for run in tqdm(warm, desc="warm-up"):
+            run()
+        run_baseline(args.model, one[:1], 1, 8, True, plain)
     rows = in_rounds(runs, args.repeats)
     meta = {
         "torch_threads": torch.get_num_threads(),
@@ -262,6 +275,7 @@ def main() -> None:
         "limit": args.limit,
         "backend": llms["fp32"].model.backend.describe(),
         "device": device,
+        "graphs": args.graphs,
     }
     (args.out / "results.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     lines = [
@@ -295,7 +309,8 @@ def main() -> None:
         ax.set_xlabel(name)
         ax.set_ylabel("exact-match accuracy")
         ax.grid(alpha=0.3)
-    fig.suptitle(f"embedded model, {args.limit} held-out items, {meta['backend']}")
+    graphs = ", device graphs" if args.graphs else ""
+    fig.suptitle(f"embedded model, {args.limit} held-out items, {meta['backend']}{graphs}")
     fig.tight_layout()
     fig.savefig(args.out / "sweep.png", dpi=120)
 
