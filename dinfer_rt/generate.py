@@ -106,94 +106,103 @@ def generate_batch(
     per_block = params.steps_per_block()
     gen = torch.Generator().manual_seed(params.seed)
     forward = _Forwarder(model, attn, params, p_len, b, n)
-    on_device = forward.device_rule is not None  # decisions on the device: x stays there
-    dev = model.backend.device() if on_device else torch.device("cpu")
-    x = x.to(dev)
-    done = torch.zeros(b, dtype=torch.bool, device=dev)
-    committed = torch.zeros(b, dtype=torch.long, device=dev)
-    commit_step = torch.full((b, g), -1, dtype=torch.long, device=dev)
-    ones = torch.ones(b, dtype=torch.long, device=dev)  # the quota of the unscheduled rules
-    any_done = False  # whether some row has finished (rows finish only between blocks; no sync)
-    start = time.perf_counter()
-    # Block-causal models (LLaDA2) align blocks to absolute position 0, so the first block may
-    # hold the prompt's tail; bidirectional models start the first block right after the prompt.
-    first = (p_len // lb) * lb if model.spec.block_causal else p_len
-    for s in range(first, n, lb):
-        e = min(s + lb, n)
-        block_masked = x[:, s:e] == mask_id
-        plan = strategies.linear_schedule(block_masked.sum(-1).cpu(), per_block).to(dev)  # one sync per block
-        state: dict = {}
-        step = 0
-        while True:
-            is_mask = x[:, s:e] == mask_id
-            if step % params.sync_every == 0 and not is_mask.any():  # the host sync
-                break
-            if step >= 4 * lb + per_block:  # safety cap: every rule commits >= 1 per step
-                raise GenerationError(f"block [{s}, {e}) did not finish in {step} steps")
-            masked = is_mask & ~done[:, None] if any_done else is_mask
-            quota = plan[:, min(step, per_block - 1)] if scheduled else ones
-            precision = forward.precision_for(masked, max(s, p_len) - s, step)
-            out = forward(x, s, e, step, precision)
-            if on_device:  # the backend's kernel decides and writes the block in place: no host sync
-                commit = forward.commit(out[1], masked, quota, out[0], x[:, s:e], rule=forward.device_rule)
-            else:
+    try:
+        on_device = forward.device_rule is not None  # decisions on the device: x stays there
+        dev = model.backend.device() if on_device else torch.device("cpu")
+        x = x.to(dev)
+        done = torch.zeros(b, dtype=torch.bool, device=dev)
+        committed = torch.zeros(b, dtype=torch.long, device=dev)
+        commit_step = torch.full((b, g), -1, dtype=torch.long, device=dev)
+        ones = torch.ones(b, dtype=torch.long, device=dev)  # the quota of the unscheduled rules
+        any_done = False  # whether some row has finished (rows finish only between blocks; no sync)
+        start = time.perf_counter()
+        # Block-causal models (LLaDA2) align blocks to absolute position 0, so the first block may
+        # hold the prompt's tail; bidirectional models start the first block right after the prompt.
+        first = (p_len // lb) * lb if model.spec.block_causal else p_len
+        for s in range(first, n, lb):
+            e = min(s + lb, n)
+            block_masked = x[:, s:e] == mask_id
+            plan = strategies.linear_schedule(block_masked.sum(-1).cpu(), per_block).to(dev)  # one sync per block
+            state: dict = {}
+            step = 0
+            while True:
+                is_mask = x[:, s:e] == mask_id
+                if step % params.sync_every == 0 and not is_mask.any():  # the host sync
+                    break
+                if step >= 4 * lb + per_block:  # safety cap: every rule commits >= 1 per step
+                    raise GenerationError(f"block [{s}, {e}) did not finish in {step} steps")
+                masked = is_mask & ~done[:, None] if any_done else is_mask
+                quota = plan[:, min(step, per_block - 1)] if scheduled else ones
+                precision = forward.precision_for(masked, max(s, p_len) - s, step)
+                out = forward(x, s, e, step, precision)
+                if on_device:  # the backend's kernel decides and writes the block in place: no host sync
+                    commit = forward.commit(out[1], masked, quota, out[0], x[:, s:e], rule=forward.device_rule)
+                else:
 
-                def decide(out, masked=masked, quota=quota, state=state):
-                    if forward.use_confidence:  # the head already banned the mask token
-                        step_in = strategies.StepInput(None, masked, quota, 0.0, gen, state, x0=out[0], conf=out[1])
-                    else:
-                        out[..., mask_id] = float("-inf")  # never commit the mask token
-                        step_in = strategies.on_logits_device(out, masked, quota, params.temperature, gen, state)
-                    x0, commit = rule(step_in)
-                    return x0.to(masked.device), commit.to(masked.device) & masked
+                    def decide(out, masked=masked, quota=quota, state=state):
+                        if forward.use_confidence:  # the head already banned the mask token
+                            step_in = strategies.StepInput(None, masked, quota, 0.0, gen, state, x0=out[0], conf=out[1])
+                        else:
+                            out[..., mask_id] = float("-inf")  # never commit the mask token
+                            step_in = strategies.on_logits_device(out, masked, quota, params.temperature, gen, state)
+                        x0, commit = rule(step_in)
+                        return x0.to(masked.device), commit.to(masked.device) & masked
 
-                saved = (dict(state), gen.get_state()) if precision is not None else None
-                x0, commit = decide(out)
-                if precision is not None and (masked.any(-1) & ~(masked & ~commit).any(-1)).any():
-                    # these commits would finish some row's block: the full-precision model decides them
-                    state.clear()
-                    state.update(saved[0])
-                    gen.set_state(saved[1])
-                    x0, commit = decide(forward(x, s, e, step, None))
-                x[:, s:e] = torch.where(commit, x0, x[:, s:e])
-            committed += commit.sum(-1)
-            forward.note_commits(commit)
-            lo = max(s, p_len)  # a block-causal first block may start inside the prompt
-            commit_step[:, lo - p_len : e - p_len].masked_fill_(commit[:, lo - s :], forward.nfe - 1)
-            step += 1
-        newly = torch.zeros_like(done)
-        if params.early_stop and eos:
-            newly |= torch.isin(x[:, s:e], torch.tensor(eos, device=dev)).any(-1) & ~done
-        if stop is not None:
-            final = x[:, p_len:e].cpu()  # the block is complete: every slot up to e is final
-            for r in (~done & ~newly).nonzero().flatten().tolist():
-                newly[r] |= stop(r, final[r].tolist())
-        if newly.any():
-            fill = model.pad_id if model.pad_id in eos else (eos[0] if eos else model.pad_id)
-            x[newly, e:] = fill
-            done |= newly
-            any_done = True
-            if done.all():
-                break
-    wall = time.perf_counter() - start
-    return BatchResult(
-        x[:, p_len:].cpu(),
-        committed.cpu(),
-        forward.nfe,
-        wall,
-        forward.step_s,
-        commit_step.cpu(),
-        dict(forward.precision_forwards),
-    )
+                    saved = (dict(state), gen.get_state()) if precision is not None else None
+                    x0, commit = decide(out)
+                    if precision is not None and (masked.any(-1) & ~(masked & ~commit).any(-1)).any():
+                        # these commits would finish some row's block: the full-precision model decides them
+                        state.clear()
+                        state.update(saved[0])
+                        gen.set_state(saved[1])
+                        x0, commit = decide(forward(x, s, e, step, None))
+                    x[:, s:e] = torch.where(commit, x0, x[:, s:e])
+                committed += commit.sum(-1)
+                forward.note_commits(commit)
+                lo = max(s, p_len)  # a block-causal first block may start inside the prompt
+                commit_step[:, lo - p_len : e - p_len].masked_fill_(commit[:, lo - s :], forward.nfe - 1)
+                step += 1
+            newly = torch.zeros_like(done)
+            if params.early_stop and eos:
+                newly |= torch.isin(x[:, s:e], torch.tensor(eos, device=dev)).any(-1) & ~done
+            if stop is not None:
+                final = x[:, p_len:e].cpu()  # the block is complete: every slot up to e is final
+                for r in (~done & ~newly).nonzero().flatten().tolist():
+                    newly[r] |= stop(r, final[r].tolist())
+            if newly.any():
+                fill = model.pad_id if model.pad_id in eos else (eos[0] if eos else model.pad_id)
+                x[newly, e:] = fill
+                done |= newly
+                any_done = True
+                if done.all():
+                    break
+        wall = time.perf_counter() - start
+        return BatchResult(
+            x[:, p_len:].cpu(),
+            committed.cpu(),
+            forward.nfe,
+            wall,
+            forward.step_s,
+            commit_step.cpu(),
+            dict(forward.precision_forwards),
+        )
+    finally:  # the cache goes back to the model's pool for the next call (same buffers)
+        forward.release()
 
 
 class _Forwarder:
     """Runs the forward each step needs under the cache policy."""
 
+    def release(self) -> None:
+        """Hands the KV cache back to the model's pool (the next call of this shape reuses it)."""
+        if self.cache is not None:
+            self.model.cache_pool.release(self.cache)
+            self.cache = None
+
     def __init__(self, model: Model, attn, params: SamplingParams, p_len: int, batch: int, n: int) -> None:
         self.model, self.attn, self.params, self.p_len = model, attn, params, p_len
         self.block_size = params.block_length if model.spec.block_causal else None
-        self.cache = model.new_cache(batch, n) if params.cache != "none" else None
+        self.cache = model.cache_pool.acquire(batch, n) if params.cache != "none" else None
         self.prev_start: int | None = None
         # adaptive / anchored / delayed cache: tokens each row committed since the last full refresh (not
         # counted when no bound applies: on a device the count is a host sync per step)

@@ -8,6 +8,8 @@ position's K/V from the cache and splicing the fresh K/V in.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +59,40 @@ class KVCache:
         return KVCache([k[r0:r1] for k in self.k], [v[r0:r1] for v in self.v])
 
 
+class CachePool:
+    """KV caches lent per shape and taken back, so consecutive ``generate`` calls of one shape
+    write the same buffers. A device graph binds the caches by address: with a fresh cache per
+    call (per prompt at batch 1) every call captured its graphs anew (measured on an H200: cached
+    decoding with ``DINFER_GRAPHS=1`` ran at 0.15-0.35x of uncached). A lent cache is zeroed, as
+    a new one is; at most ``keep`` idle caches are held (the most recently returned); a cache in
+    use is never lent twice (concurrent callers get their own)."""
+
+    def __init__(self, make: Callable[[int, int], KVCache], keep: int = 2) -> None:
+        self.make, self.keep = make, keep
+        self.idle: list[KVCache] = []
+        self.lock = threading.Lock()
+
+    def acquire(self, batch: int, length: int) -> KVCache:
+        with self.lock:
+            for i, cache in enumerate(self.idle):
+                if (cache.k[0].shape[0], cache.length) == (batch, length):
+                    del self.idle[i]
+                    break
+            else:
+                cache = None
+        if cache is None:
+            return self.make(batch, length)
+        for t in (*cache.k, *cache.v):
+            t.zero_()
+        return cache
+
+    def release(self, cache: KVCache) -> None:
+        with self.lock:
+            self.idle.append(cache)
+            while len(self.idle) > self.keep:
+                self.idle.pop(0)
+
+
 class Model:
     def __init__(
         self,
@@ -80,6 +116,7 @@ class Model:
         self.weight_format = weight_format
         self.block_size = spec.default_block_size
         self._compiled: dict[tuple[bool, int | None, str, str, bool, str | None], Executable] = {}
+        self.cache_pool = CachePool(self.new_cache)  # the scheduler's KV caches, reused across calls
         self.pass_counts: dict[str, int] = {}  # rewrites per pass in the last compiled graph
         self._small: dict[tuple, object] = {}  # see _memo
 

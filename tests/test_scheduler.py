@@ -234,3 +234,39 @@ def test_confidence_head_equals_the_logits_path(ckpt_dir, name, strategy, cache)
     last = {f"layers.{model.spec.n_layers - 1}.{w}" for w in ("o", "down", "experts_down")}
     tail = [n for n in graph.nodes if any(v is not None and v.kind == "param" and v.name in last for v in n.inputs)]
     assert tail and all(n.outputs[0].type.shape[1] == "M" for n in tail)  # the last layer after attention: M rows
+
+
+def test_cache_pool_lends_zeroed_buffers_once_and_keeps_few(ckpt_dir):
+    """The scheduler's KV caches come from the model's pool: a returned cache of the same shape is
+    lent again (same addresses, zeroed like a new one), a cache in use is never lent twice, and
+    only the ``keep`` most recently returned idle caches are held."""
+    model = dinfer_rt.load_model(ckpt_dir("llada"), backend="cpu")
+    pool = model.cache_pool
+    a = pool.acquire(2, 12)
+    b = pool.acquire(2, 12)  # a is in use: a second buffer
+    assert a.k[0].data_ptr() != b.k[0].data_ptr()
+    a.k[0].fill_(1.0)
+    a.v[-1].fill_(2.0)
+    pool.release(a)
+    again = pool.acquire(2, 12)
+    assert again.k[0].data_ptr() == a.k[0].data_ptr()
+    assert not any(t.any() for t in (*again.k, *again.v))  # zeroed, as a new cache
+    assert pool.acquire(1, 12).length == 12 and pool.acquire(2, 16).k[0].shape[:2] == (2, 16)  # other shapes: new
+    for cache in (again, b, pool.acquire(3, 12)):
+        pool.release(cache)
+    assert len(pool.idle) == pool.keep == 2 and all(c is not again for c in pool.idle)  # the oldest went
+
+
+def test_generate_returns_its_cache_to_the_pool_even_on_error(ckpt_dir):
+    """A cached generate hands its cache back when it ends, also when a stop callback raises."""
+    model = dinfer_rt.load_model(ckpt_dir("llada"), backend="cpu")
+    params = SamplingParams(strategy="threshold", cache="dual", gen_length=8, block_length=4)
+    generate_batch(model, [[5, 6, 7]], params)
+    (cache,) = model.cache_pool.idle
+
+    def boom(row, tokens):
+        raise RuntimeError("stop check failed")
+
+    with pytest.raises(RuntimeError, match="stop check failed"):
+        generate_batch(model, [[5, 6, 7]], params, stop=boom)
+    assert len(model.cache_pool.idle) == 1 and model.cache_pool.idle[0] is cache  # lent, and back again
