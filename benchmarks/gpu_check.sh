@@ -7,6 +7,7 @@
 # device's torch build. Each stage has its own time limit and a failing stage does not stop the
 # next: the verdicts are printed at the end and the exit status is non-zero if any stage failed.
 # Needs pluggy >= 1.5 in the image (hooks are called through pluggy's relay).
+# Run on one H200 in session 16 (about two minutes; results in benchmarks/results/h200/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
