@@ -27,10 +27,11 @@ stage gpu_check "${GPU_CHECK_S:-300}" python3 benchmarks/gpu_check.py --backend 
 # the cross-hardware validation suite on the device (op conformance incl. padded attention
 # variants, fused vs unfused, model-level checks against the float64 cpu reference)
 stage validate "${VALIDATE_S:-100}" python3 -m dinfer_rt validate --backends cuda --quick \
-    --json "$out/validate-cuda.json" --markdown "$out/validate-cuda.md"
-# the speed/accuracy sweep with dinfer-rt and the Fast-dLLM-style baseline both on the GPU (one
-# repeat: the batch-1 rows dominate); the issue-#19 targets computed from it
-stage sweep "${SWEEP_S:-240}" python3 benchmarks/sweep.py --backend cuda --quick --repeats 1 --out "$out/sweep"
+    --markdown "$out/validate-cuda.md"
+# the speed/accuracy sweep with dinfer-rt (device graphs) and the Fast-dLLM-style baseline both on
+# the GPU (one repeat, 50 items at batch 1: about a minute); the issue-#19 targets computed from it
+stage sweep "${SWEEP_S:-240}" python3 benchmarks/sweep.py --backend cuda --graphs --quick --repeats 1 \
+    --limit-batch1 50 --out "$out/sweep"
 stage pytest "${PYTEST_S:-45}" python3 -m pytest -q -x -p no:cacheprovider tests/test_ir.py tests/test_architecture.py
 # Tensor parallelism over every visible GPU (NCCL) when there is more than one: TP=N greedy output
 # must equal TP=1's (the embedded model has 6 heads: N in 2, 3, 6 splits it).
