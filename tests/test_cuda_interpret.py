@@ -135,6 +135,60 @@ def test_attention_kernel(kernels, dtype, groups, block_size, cached):
     close(got, want, dtype)
 
 
+def test_key_splits_fill_the_device_only_for_small_launches():
+    """The LLaDA-8B block step at batch 1 (32 programs, 1024 cache slots) splits its keys into
+    4 ranges (128 programs); a launch that already fills the device, a short cache, and the
+    interpreter's own row keep one."""
+    from dinfer_rt.backends.cuda.tuning import table
+    from dinfer_rt.backends.triton.ops import key_splits
+
+    row = table("sm_90")
+    assert key_splits(32, 1024, 64, row) == 4
+    assert key_splits(8, 4096, 64, row) == 16  # capped at attn_max_splits
+    assert key_splits(256, 1024, 64, row) == 1
+    assert key_splits(32, 200, 64, row) == 1  # fewer than two ranges of attn_split_keys
+    assert key_splits(1, 4096, 64, table("interpret")) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [None, 4])
+@pytest.mark.parametrize("cached", [False, True])
+def test_split_key_attention_equals_the_reference(monkeypatch, dtype, block_size, cached):
+    """Split-key attention (flash-decoding) with the sm_90 row and 16-key tiles and ranges:
+    partial states merged by the combine kernel match the float64 reference (GQA 4, head_dim
+    12), also for ranges whose keys are all padding (they must weigh nothing) and a batch row
+    that sees no key at all."""
+    from dinfer_rt.backends.cuda.tuning import table
+    from dinfer_rt.backends.triton import ops as cuda_ops
+    from dinfer_rt.backends.triton.launch import default_config
+
+    monkeypatch.setenv("DINFER_INTERPRET", "1")
+    row = {**table("sm_90"), "attn_n": 16, "attn_split_keys": 16, "attn_split_below": 1000}
+    k = cuda_ops.make_kernels(row, True, lambda name: default_config(name, row))
+    seen = []
+    real = cuda_ops.key_splits
+    monkeypatch.setattr(cuda_ops, "key_splits", lambda *a: seen.append(real(*a)) or seen[-1])
+    g = torch.Generator().manual_seed(7)
+    b, t, kv, groups, d, slots = 2, (5 if cached else 40), 2, 4, 12, 70
+    q = torch.randn(b, t, kv * groups, d, generator=g).to(dtype)
+    fresh = [torch.randn(b, t, kv, d, generator=g).to(dtype) for _ in range(2)]
+    n_k = slots if cached else t
+    valid = torch.ones(b, n_k, dtype=torch.bool)
+    valid[0, : n_k // 2 + 1] = False  # row 0: its first ranges all padding
+    valid[1] = False  # row 1 sees no key: it attends to every key, as the reference
+    index = torch.arange(60, 60 + t) if cached else torch.arange(t)
+    args = [q, *fresh, valid, index]
+    if cached:
+        args += [torch.randn(b, slots, kv, d, generator=g).to(dtype) for _ in range(2)]
+    ref_args = [a.double() if a.is_floating_point() else a for a in args]
+    got = k["attention"](*args, scale=12**-0.5, block_size=block_size)
+    want = ops.attention(*ref_args, scale=12**-0.5, block_size=block_size)
+    got, want = (got[0], want[0]) if cached else (got, want)
+    assert seen and min(seen) >= 2  # the split path ran
+    assert torch.isfinite(got).all()
+    close(got, want, dtype, scale=2.0)
+
+
 def test_attention_rows_that_see_no_key_attend_everywhere(kernels):
     """A fully padded batch row, and block-causal queries whose blocks hold only padding: the
     reference lets such a query see every key (no NaN); the kernel must agree."""
@@ -279,6 +333,8 @@ KERNELS = {
     "rope",
     "lm_head_confidence",
     "attention",
+    "attention_split_keys",
+    "attention_combine",
     "router_softmax_topk",
     "router_sigmoid_grouped",
     "moe_gate_up",

@@ -33,6 +33,11 @@ def kernel_specs(t: dict, dt: str = "bf16") -> list[tuple[str, dict, dict, int]]
     down_sig = {"h_ptr": p, "wd_ptr": p, "y_ptr": "*fp32", "tok_ptr": "*i32", "row_weight_ptr": "*fp32"}
     down_sig |= {"tile_expert_ptr": "*i32", "inter": i32, "hidden": i32}
     moe_cfg = {k: moe[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    attn_sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "key_valid_ptr": "*i1", "first_block_ptr": "*i64"}
+    attn_sig |= {"q_pos_ptr": "*i64", "k_pos_ptr": "*i64", "n_q": i32, "n_k": i32, "heads": i32, "groups": i32}
+    attn_sig |= {"head_dim": i32, "scale": f32, "block_size": i32, "k_stride_b": i32, "k_stride_s": i32}
+    attn_sig |= {"q_pos_stride_b": i32, "k_pos_stride_b": i32, "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}
+    attn_sig |= {"part_acc_ptr": "*fp32", "keys_per_split": i32, "n_rows": i32}
     commit_sig = {"conf_ptr": "*fp32", "masked_ptr": "*i1", "quota_ptr": "*i64", "x0_ptr": "*i64", "x_ptr": "*i64"}
     commit_sig |= {"commit_ptr": "*i8", "n_rows": i32, "n_slots": i32, "x_stride": i32, "threshold": f32}
     return [
@@ -64,15 +69,23 @@ def kernel_specs(t: dict, dt: str = "bf16") -> list[tuple[str, dict, dict, int]]
             | gemm_common,
             head["num_warps"],
         ),
+        *(
+            (
+                "attention_kernel",
+                attn_sig,
+                {k: attn[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "HEADS")}
+                | {"BLOCK_CAUSAL": True, "SPLIT": split}
+                | gemm_common,
+                attn["num_warps"],
+            )
+            for split in (False, True)
+        ),
         (
-            "attention_kernel",
-            {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "key_valid_ptr": "*i1", "first_block_ptr": "*i64"}
-            | {"q_pos_ptr": "*i64"}
-            | {"k_pos_ptr": "*i64", "n_q": i32, "n_k": i32, "heads": i32, "groups": i32, "head_dim": i32}
-            | {"scale": f32, "block_size": i32, "k_stride_b": i32, "k_stride_s": i32}
-            | {"q_pos_stride_b": i32, "k_pos_stride_b": i32},
-            {k: attn[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "HEADS")} | {"BLOCK_CAUSAL": True} | gemm_common,
-            attn["num_warps"],
+            "attention_combine_kernel",
+            {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "o_ptr": p}
+            | {"n_rows": i32, "head_dim": i32, "splits": i32},
+            {"ROWS": t["attn_combine_rows"], "BLOCK_D": attn["BLOCK_D"]},
+            4,
         ),
         (
             "router_kernel",
@@ -113,6 +126,8 @@ def report_row(name: str, target: str, warps: int, constexprs: dict, **resources
         kernel += "_sigmoid_grouped" if constexprs["SIGMOID"] else "_softmax_topk"
     if kernel == "commit":
         kernel += "_top_k" if constexprs["TOP_K"] else "_threshold"
+    if kernel == "attention" and constexprs["SPLIT"]:
+        kernel += "_split_keys"
     return {"kernel": kernel, "target": target, "num_warps": warps, "constexprs": constexprs, **resources}
 
 

@@ -263,12 +263,18 @@ def attention_kernel(
     k_stride_s,
     q_pos_stride_b,
     k_pos_stride_b,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    keys_per_split,
+    n_rows,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEADS: tl.constexpr,
     BLOCK_CAUSAL: tl.constexpr,
     DOT_F32: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """Flash-style attention for one batch row, HEADS query heads and BLOCK_M queries: keys stream
     through in BLOCK_N tiles with an online softmax (fp32 running max, denominator, numerator),
@@ -282,7 +288,12 @@ def attention_kernel(
     [B, T] / [B, S] (continuous batching: each row its own query window).
 
     HEADS > 1 (the interpreter's setting) stacks HEADS heads along both tile axes and masks the
-    cross-head blocks: one program then does HEADS heads' work per Python step. GPU rows use 1."""
+    cross-head blocks: one program then does HEADS heads' work per Python step. GPU rows use 1.
+
+    SPLIT (split keys, flash-decoding): program axis 2 takes keys [split * keys_per_split, ...)
+    only and stores its unnormalised partial state (running max, denominator, numerator in fp32)
+    to ``part_*`` [splits, n_rows(, D)] for ``attention_combine_kernel``: a few queries over a long
+    cache (batch 1, one block) then fill the device instead of one program per head."""
     neg = float("-inf")
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     head_blocks = tl.cdiv(heads, HEADS)
@@ -307,9 +318,14 @@ def attention_kernel(
     m_i = tl.full((HEADS * BLOCK_M,), neg, tl.float32)
     l_i = tl.zeros((HEADS * BLOCK_M,), tl.float32)
     acc = tl.zeros((HEADS * BLOCK_M, BLOCK_D), tl.float32)
-    for n0 in range(0, n_k, BLOCK_N):
+    if SPLIT:
+        k_lo = tl.program_id(2) * keys_per_split
+        k_hi = tl.minimum(n_k, k_lo + keys_per_split)
+    else:
+        k_lo, k_hi = 0, n_k
+    for n0 in range(k_lo, k_hi, BLOCK_N):
         cols = n0 + c % BLOCK_N
-        cmask = (cols < n_k) & (h_k < heads)
+        cmask = (cols < k_hi) & (h_k < heads)
         kv_off = kv_col[:, None] + cols[:, None] * k_stride_s + d[None, :]
         kv_mask = cmask[:, None] & dmask[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
@@ -332,8 +348,51 @@ def attention_kernel(
             pv, v = pv.to(tl.float32), v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
         m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(o_ptr + io, _narrow(out, o_ptr.dtype.element_ty), mask=iomask)
+    if SPLIT:
+        part = tl.program_id(2) * n_rows + (b * n_q + rows) * heads + h_q  # [splits, B, T, H]
+        tl.store(part_m_ptr + part, m_i, mask=rmask)
+        tl.store(part_l_ptr + part, l_i, mask=rmask)
+        tl.store(part_acc_ptr + part[:, None] * head_dim + d[None, :], acc, mask=iomask)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(o_ptr + io, _narrow(out, o_ptr.dtype.element_ty), mask=iomask)
+
+
+@triton.jit
+def attention_combine_kernel(
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    o_ptr,
+    n_rows,
+    head_dim,
+    splits,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Merges ``attention_kernel``'s SPLIT partial states: each split's numerator and denominator
+    rescaled to the rows' overall max (a split that saw no allowed key has max -inf and weighs 0),
+    then numerator / denominator in the output's dtype. Rows are (batch, query, head) of the
+    contiguous [B, T, H, D] output."""
+    neg = float("-inf")
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    rm = r < n_rows
+    mask = rm[:, None] & (d < head_dim)[None, :]
+    m = tl.full((ROWS,), neg, tl.float32)
+    for i in range(splits):  # a loop, not unrolled: unrolled, the loads in flight spilled
+        m = tl.maximum(m, tl.load(part_m_ptr + i * n_rows + r, mask=rm, other=neg))
+    ref = tl.where(m == neg, 0.0, m)
+    den = tl.zeros((ROWS,), tl.float32)
+    num = tl.zeros((ROWS, BLOCK_D), tl.float32)
+    for i in range(splits):
+        m_i = tl.load(part_m_ptr + i * n_rows + r, mask=rm, other=neg)
+        w = tl.where(m_i == neg, 0.0, tl.exp(m_i - ref))
+        den += w * tl.load(part_l_ptr + i * n_rows + r, mask=rm, other=0.0)
+        a = tl.load(part_acc_ptr + (i * n_rows + r[:, None]) * head_dim + d[None, :], mask=mask, other=0.0)
+        num += w[:, None] * a
+    out = num / tl.where(den == 0.0, 1.0, den)[:, None]
+    tl.store(o_ptr + r[:, None] * head_dim + d[None, :], _narrow(out, o_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

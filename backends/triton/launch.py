@@ -33,6 +33,12 @@ GPU_DEFAULTS = {
     "gemm_k": 32,
     "gemm_warps": 4,
     "router_elems": 512,  # router tile (rows x padded experts): top-k keeps several copies live
+    # split-key attention (flash-decoding) when a launch has fewer programs than this (an H200 has
+    # 132 multiprocessors; the LLaDA-8B block step at batch 1 launches 32), each split >= 128 keys
+    "attn_split_below": 128,
+    "attn_split_keys": 128,
+    "attn_max_splits": 16,
+    "attn_combine_rows": 16,
     # dequant GEMM tiles (linear_wq / linear_gptq): long K tiles stream the weight; measured on an
     # H200, 32 rows x 4096 -> 4096 int8: 16x32x128 / 4 warps 0.038 ms, the bf16 cuBLAS GEMM 0.036
     "dequant_n": 32,

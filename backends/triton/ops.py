@@ -104,6 +104,16 @@ def inv_freq(theta: float, rotary_dim: int, device: torch.device) -> torch.Tenso
     return _INV_FREQ[key]
 
 
+def key_splits(programs: int, n_keys: int, block_n: int, tuning: dict) -> int:
+    """How many key ranges one attention launch splits into: more than one only when the launch
+    has fewer programs than ``attn_split_below`` (about the device's multiprocessors: a block step
+    at batch 1 has one per head) and each range keeps at least ``attn_split_keys`` keys."""
+    if programs >= tuning["attn_split_below"]:
+        return 1
+    want = min(tuning["attn_max_splits"], triton.cdiv(tuning["attn_split_below"], programs))
+    return max(1, min(want, n_keys // max(tuning["attn_split_keys"], block_n)))
+
+
 def make_kernels(
     tuning: dict, interpret: bool, launch_config: Callable[[str], dict], tuner: Autotuner | None = None
 ) -> dict[str, Callable]:
@@ -224,10 +234,25 @@ def make_kernels(
         args += (token_index.contiguous(), key_pos.contiguous(), t, keys.shape[1], heads, heads // keys.shape[2], d)
         args += (scale, block_size or 1, keys.stride(0), keys.stride(1))
         args += (t if token_index.dim() == 2 else 0, key_pos.shape[-1] if key_pos.dim() == 2 else 0)
+        n_k, n_rows = keys.shape[1], b * t * heads
 
         def launch(cfg: dict) -> None:
             grid = (triton.cdiv(t, cfg["BLOCK_M"]), b * triton.cdiv(heads, cfg["HEADS"]))
-            kern.attention_kernel[grid](*args, BLOCK_CAUSAL=block_size is not None, DOT_F32=interpret, **cfg)
+            splits = key_splits(grid[0] * grid[1], n_k, cfg["BLOCK_N"], tuning)
+            common = {"BLOCK_CAUSAL": block_size is not None, "DOT_F32": interpret, **cfg}
+            if splits == 1:
+                kern.attention_kernel[grid](*args, out, out, out, n_k, n_rows, SPLIT=False, **common)
+                return
+            per_split = triton.cdiv(triton.cdiv(n_k, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+            part_m, part_l = (torch.empty(splits * n_rows, dtype=torch.float32, device=qc.device) for _ in "ml")
+            part_acc = torch.empty(splits * n_rows * d, dtype=torch.float32, device=qc.device)
+            kern.attention_kernel[(*grid, splits)](
+                *args, part_m, part_l, part_acc, per_split, n_rows, SPLIT=True, **common
+            )
+            rows = tuning["attn_combine_rows"]
+            kern.attention_combine_kernel[(triton.cdiv(n_rows, rows),)](
+                part_m, part_l, part_acc, out, n_rows, d, splits, ROWS=rows, BLOCK_D=cfg["BLOCK_D"]
+            )
 
         cfg = {**attention_config(t, d, tuning), **tuned["attention"]}
         if tuner is not None:
