@@ -103,6 +103,12 @@ class Backend(Platform):
         return {**self.default_launch_config(kernel), **self.contributions.launch.get(kernel, {})}
 
     # ---------------------------------------------------------------- execution
+    def replays_graphs(self) -> bool:
+        """Whether compiled forwards replay captured device graphs (bound to their inputs'
+        addresses): the scheduler then keeps its KV caches for the next call of the same shape
+        instead of freeing them (``Model.cache_pool``)."""
+        return False
+
     def compile(self, graph: Graph, weights: Mapping[str, torch.Tensor]) -> Executable:
         table = self.kernel_table()
         return Executable(

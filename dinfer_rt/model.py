@@ -64,8 +64,9 @@ class CachePool:
     write the same buffers. A device graph binds the caches by address: with a fresh cache per
     call (per prompt at batch 1) every call captured its graphs anew (measured on an H200: cached
     decoding with ``DINFER_GRAPHS=1`` ran at 0.15-0.35x of uncached). A lent cache is zeroed, as
-    a new one is; at most ``keep`` idle caches are held (the most recently returned); a cache in
-    use is never lent twice (concurrent callers get their own)."""
+    a new one is; at most ``keep`` idle caches are held (the most recently returned; 0, where no
+    graphs replay, frees each cache when its call ends, as before); a cache in use is never lent
+    twice (concurrent callers get their own)."""
 
     def __init__(self, make: Callable[[int, int], KVCache], keep: int = 2) -> None:
         self.make, self.keep = make, keep
@@ -116,7 +117,8 @@ class Model:
         self.weight_format = weight_format
         self.block_size = spec.default_block_size
         self._compiled: dict[tuple[bool, int | None, str, str, bool, str | None], Executable] = {}
-        self.cache_pool = CachePool(self.new_cache)  # the scheduler's KV caches, reused across calls
+        # the scheduler's KV caches: kept for the next call only where graphs bind their addresses
+        self.cache_pool = CachePool(self.new_cache, keep=2 if backend.replays_graphs() else 0)
         self.pass_counts: dict[str, int] = {}  # rewrites per pass in the last compiled graph
         self._small: dict[tuple, object] = {}  # see _memo
 

@@ -203,8 +203,10 @@ def test_acl_graphs_are_wired_through_torch_npu(ascend, ckpt_dir, monkeypatch):
     graphed = ascend.compile(exe.graph, model.weights)
     assert isinstance(graphed, GraphedExecutable) and graphed.graphs.api.graph_cls is fake_npu.NPUGraph
     assert graphed.graphs.pinned == {f"{kv}_cache.{i}" for kv in "kv" for i in range(model.spec.n_layers)}
+    assert ascend.replays_graphs()  # so a model loaded now keeps its scheduler caches (cache_pool)
     monkeypatch.setenv("DINFER_GRAPHS", "0")
     assert not isinstance(ascend.compile(exe.graph, model.weights), GraphedExecutable)
+    assert not ascend.replays_graphs()
 
 
 @pytest.mark.parametrize("rule", ["top_k", "threshold"])

@@ -533,6 +533,7 @@ def test_graphed_cached_decoding_captures_once_for_many_prompts(cuda, ckpt_dir, 
     api = _ReplayByRerun()
     compile_eager = model.backend.compile
     monkeypatch.setattr(model.backend, "compile", lambda g, w: GraphedExecutable(compile_eager(g, w), api))
+    model.cache_pool.keep = 2  # what a backend whose replays_graphs() is true gets at load
     params = SamplingParams(strategy="threshold", cache="dual", gen_length=8, block_length=4, early_stop=False)
     prompts = [[5, 6, 7], [9, 8, 7], [11, 12, 13]]
     outs = [generate_batch(model, [p], params).tokens for p in prompts[:1]]

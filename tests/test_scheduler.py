@@ -240,8 +240,11 @@ def test_cache_pool_lends_zeroed_buffers_once_and_keeps_few(ckpt_dir):
     """The scheduler's KV caches come from the model's pool: a returned cache of the same shape is
     lent again (same addresses, zeroed like a new one), a cache in use is never lent twice, and
     only the ``keep`` most recently returned idle caches are held."""
+    from dinfer_rt.model import CachePool
+
     model = dinfer_rt.load_model(ckpt_dir("llada"), backend="cpu")
-    pool = model.cache_pool
+    assert model.cache_pool.keep == 0  # no graphs on the cpu backend: caches are freed as before
+    pool = CachePool(model.new_cache, keep=2)  # as a backend that replays graphs gets
     a = pool.acquire(2, 12)
     b = pool.acquire(2, 12)  # a is in use: a second buffer
     assert a.k[0].data_ptr() != b.k[0].data_ptr()
@@ -260,6 +263,7 @@ def test_cache_pool_lends_zeroed_buffers_once_and_keeps_few(ckpt_dir):
 def test_generate_returns_its_cache_to_the_pool_even_on_error(ckpt_dir):
     """A cached generate hands its cache back when it ends, also when a stop callback raises."""
     model = dinfer_rt.load_model(ckpt_dir("llada"), backend="cpu")
+    model.cache_pool.keep = 2  # as a backend that replays graphs sets it
     params = SamplingParams(strategy="threshold", cache="dual", gen_length=8, block_length=4)
     generate_batch(model, [[5, 6, 7]], params)
     (cache,) = model.cache_pool.idle

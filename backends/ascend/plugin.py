@@ -92,10 +92,13 @@ class AscendBackend(Backend):
 
         return make_kernels(torch_npu, self._constraint_fallback, self.VECTOR_CORES, flag(DINFER_INTERPRET))
 
+    def replays_graphs(self) -> bool:
+        return flag(DINFER_GRAPHS) and self.device_type == "npu"
+
     def compile(self, graph, weights):
         """With DINFER_GRAPHS=1, forwards replay ACL graphs captured per shape (torch.npu.NPUGraph)."""
         exe = super().compile(graph, weights)
-        if flag(DINFER_GRAPHS) and self.device_type == "npu":
+        if self.replays_graphs():
             from dinfer_rt.backends.triton.graphs import GraphAPI, GraphedExecutable
 
             return GraphedExecutable(exe, GraphAPI("npu"))

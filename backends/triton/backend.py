@@ -84,10 +84,13 @@ class TritonBackend(Backend):
 
         return default_config(kernel, self.tuning())
 
+    def replays_graphs(self) -> bool:
+        return envs.flag(envs.DINFER_GRAPHS) and not interpreting()
+
     def compile(self, graph, weights) -> Executable:
         """With DINFER_GRAPHS=1 on a device, forwards replay captured device graphs per shape."""
         exe = super().compile(graph, weights)
-        if envs.flag(envs.DINFER_GRAPHS) and not interpreting():
+        if self.replays_graphs():
             from dinfer_rt.backends.triton.graphs import GraphedExecutable
 
             return GraphedExecutable(exe)

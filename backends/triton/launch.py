@@ -40,7 +40,8 @@ GPU_DEFAULTS = {
     "attn_max_splits": 16,
     "attn_combine_rows": 16,
     # dequant GEMM tiles (linear_wq / linear_gptq): long K tiles stream the weight; measured on an
-    # H200, 32 rows x 4096 -> 4096 int8: 16x32x128 / 4 warps 0.038 ms, the bf16 cuBLAS GEMM 0.036
+    # H200, 32 rows x 4096 -> 4096 int8: 16x32x128 / 4 warps 0.036-0.038 ms (fastest of 36 tiles in
+    # two runs), the bf16 cuBLAS GEMM 0.026-0.036
     "dequant_n": 32,
     "dequant_k": 128,
 }
@@ -80,7 +81,8 @@ def default_config(kernel: str, t: dict) -> dict:
     if kernel in ("linear_wq", "linear_gptq"):
         # the interpreter runs one Python step per program and K tile: big tiles there (GPU rows keep 1 row)
         if t["rows"] == 1:
-            return {"BLOCK_M": t["gemm_m"], "BLOCK_N": t["dequant_n"], "BLOCK_K": t["dequant_k"], "num_warps": 4}
+            n, k = t.get("dequant_n", t["gemm_n"]), t.get("dequant_k", t["gemm_k"])  # a plugin's row may lack them
+            return {"BLOCK_M": t["gemm_m"], "BLOCK_N": n, "BLOCK_K": k, "num_warps": 4}
         return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": t["gemm_k"], "num_warps": t["gemm_warps"]}
     if kernel in ("lm_head_confidence", "moe"):
         head = {"BLOCK_V": t["gemm_n"]} if kernel == "lm_head_confidence" else {"BLOCK_N": t["gemm_n"]}

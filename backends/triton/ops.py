@@ -107,8 +107,9 @@ def inv_freq(theta: float, rotary_dim: int, device: torch.device) -> torch.Tenso
 def key_splits(programs: int, n_keys: int, block_n: int, tuning: dict) -> int:
     """How many key ranges one attention launch splits into: more than one only when the launch
     has fewer programs than ``attn_split_below`` (about the device's multiprocessors: a block step
-    at batch 1 has one per head) and each range keeps at least ``attn_split_keys`` keys."""
-    if programs >= tuning["attn_split_below"]:
+    at batch 1 has one per head) and each range keeps at least ``attn_split_keys`` keys. A
+    tuning row without these keys (a plugin's own) never splits."""
+    if programs >= tuning.get("attn_split_below", 0):
         return 1
     want = min(tuning["attn_max_splits"], triton.cdiv(tuning["attn_split_below"], programs))
     return max(1, min(want, n_keys // max(tuning["attn_split_keys"], block_n)))
@@ -249,7 +250,7 @@ def make_kernels(
             kern.attention_kernel[(*grid, splits)](
                 *args, part_m, part_l, part_acc, per_split, n_rows, SPLIT=True, **common
             )
-            rows = tuning["attn_combine_rows"]
+            rows = tuning.get("attn_combine_rows", 16)
             kern.attention_combine_kernel[(triton.cdiv(n_rows, rows),)](
                 part_m, part_l, part_acc, out, n_rows, d, splits, ROWS=rows, BLOCK_D=cfg["BLOCK_D"]
             )
