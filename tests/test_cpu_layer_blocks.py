@@ -44,6 +44,10 @@ ATTENTION_CASES = {
     "cache-per-row-slots-qk-norm": (2, 3, 4, 4, 8, 4, True, False, 9, True, False, None),
     "threaded-cache": (3, 20, 4, 2, 16, 16, False, False, 40, True, True, None),
     "block-causal-composed": (2, 3, 4, 2, 8, 8, False, False, 9, False, True, 4),
+    # >= OUTER_MIN_ROWS batch rows per thread: the rows split over the threads, one block each
+    "row-split-no-cache-gqa": (9, 7, 6, 2, 48, 48, False, True, None, False, True, None),
+    "row-split-cache-per-row-slots": (8, 5, 4, 4, 40, 40, True, False, 37, True, True, None),
+    "row-split-cache-shared-slots": (8, 3, 4, 2, 8, 8, False, False, 9, False, False, None),
 }
 
 
@@ -110,6 +114,38 @@ def test_mlp_block_matches_float64_reference(fast, rows, bias):
     want = ops.mlp_block(*(None if v is None else v.double() for v in args), eps=1e-5)
     _close(normed, want[0])
     _close(total, want[1])
+
+
+def _on_threads(n: int, fn):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_row_split_gives_the_bits_of_one_thread(fast):
+    """Many batch rows split over the threads, each row's whole block on one thread (two threads
+    here whatever the machine has): the same arithmetic per value as on one thread, so the same
+    bits, for both blocks."""
+    g = torch.Generator().manual_seed(5)
+    b, t, h, kv, d, dim, hidden = 9, 6, 4, 2, 16, 24, 40
+    x = torch.randn(b, t, dim, generator=g)
+    w = torch.randn((h + 2 * kv) * d, dim, generator=g) / dim**0.5
+    positions, key_valid = torch.randint(0, 40, (b, t), generator=g), torch.ones(b, t, dtype=torch.bool)
+    cos, sin = AttentionKernels(fast).rotary.tables(positions, d, 10000.0, torch.float32)
+    attrs = dict(heads=h, kv_heads=kv, scale=d**-0.5, rotary_dim=d, eps=1e-6)
+    args = (x, w, None, key_valid, torch.arange(t), positions, None, None, None, None, cos, sin)
+    split, one = (_on_threads(n, lambda: fast.attention_block(*args, **attrs)) for n in (2, 1))
+    assert split is not None and torch.equal(split, one)
+    rows = 600  # >= 2 passes of 64 rows per thread
+    attn, residual = torch.randn(rows, h * d, generator=g), torch.randn(rows, dim, generator=g)
+    w_o, w_gu = torch.randn(dim, h * d, generator=g) / 8, torch.randn(2 * hidden, dim, generator=g) / 5
+    w_d, n1, n2 = torch.randn(dim, hidden, generator=g) / 6, torch.rand(dim, generator=g) + 0.5, torch.ones(dim)
+    margs = (attn, w_o, None, residual, n1, w_gu, w_d, n2, 1e-5)
+    split, one = (_on_threads(n, lambda: fast.mlp_block(*margs)) for n in (2, 1))
+    assert torch.equal(split[0], one[0]) and torch.equal(split[1], one[1])
 
 
 def test_mlp_block_hands_other_layouts_to_the_composition(fast):

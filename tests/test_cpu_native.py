@@ -99,6 +99,10 @@ CASES = {
     # above PARALLEL_MIN_WORK multiply-adds: the (row, kv head) pairs split over OpenMP threads
     "threaded-no-cache-gqa": (3, 40, 4, 2, 16, 16, False, None, False, 1, None),
     "threaded-cache-per-row-slots": (3, 7, 4, 4, 16, 8, True, 100, True, "row", None),
+    # the register tiles' edges: 32 + 16 dims, 32 + scalar dims, query rows not a multiple of 4,
+    # keys not a multiple of 16
+    "tiles-d48-gqa-21-rows": (2, 7, 6, 2, 48, 48, False, None, False, 1, None),
+    "tiles-d40-cache-37-keys": (2, 5, 4, 4, 40, 40, True, 37, True, "row", None),
 }
 
 
@@ -109,7 +113,7 @@ def test_rope_attention_matches_float64_reference(fast, monkeypatch, case, core)
     (many scores, or a block-causal mask)."""
     if core == "sdpa":
         monkeypatch.setattr(native, "MAX_NATIVE_SCORES", 0)
-        monkeypatch.setattr(native, "MAX_SHORT_KEY_SCORES", 0)
+        monkeypatch.setattr(native, "MAX_NATIVE_KEYS", 0)
     b, t, h, kv, d, rot, qk_norm, s, per_row, padding, block = CASES[case]
     g = torch.Generator().manual_seed(len(case))
     q, k, v = _qkv(g, b, t, h, kv, d)

@@ -24,6 +24,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 int dinfer_native_abi(void) { return 10; }
 
@@ -48,6 +51,17 @@ int dinfer_native_openmp(void) {
 
 /* Whether kernels may split over threads (OpenMP build, and torch's runtime). */
 int dinfer_native_threaded(void) { return !single_thread && dinfer_native_openmp(); }
+
+/* Threads an outer split of a layer block over its independent rows may use (1: none). Inside
+ * such a split every kernel's own parallel region runs on its calling thread (OpenMP leaves
+ * nested regions inactive), so each thread keeps its rows' intermediates in its own cache. */
+static int outer_threads(void) {
+#ifdef _OPENMP
+    return single_thread || omp_in_parallel() ? 1 : omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
 
 /* Sum of squares with eight independent partial sums (vectorisable without reassociation). */
 static float sum_squares(const float *x, int64_t n) {
@@ -183,110 +197,85 @@ static inline v8f load8(const float *p) {
 
 static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 
-/* scores[j] = q . keys_t[:, j] for keys_t [D, S]: 32 keys at a time in four vector sums held
- * across all D (four independent chains hide the FMA latency), then eight, then one. */
-static void scores_of(const float *q, const float *keys_t, int64_t D, int64_t S, float *scores) {
+/* Sixteen floats as one vector (one AVX-512 register; two AVX ones elsewhere). */
+typedef float v16f __attribute__((vector_size(64)));
+
+static inline v16f load16(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+
+/* The attention core's register tile: ATT_ROWS query rows against 32 keys (or 32 value dims),
+ * eight independent vector sums, each key (value) vector loaded once for all the rows: a small
+ * GEMM of its own (scores = Q K^T, then out = P V), where one row at a time would reload every
+ * key vector per row and wait on a single FMA chain. */
+#define ATT_ROWS 4
+
+/* scores[r * SP + j] = q[r * D:] . keys_t[:, j] for the tile's rows and keys_t [D, SP] (SP a
+ * multiple of 16, zero past the keys): 32 keys at a time, then 16. */
+static void scores_tile(const float *q, const float *keys_t, int64_t D, int64_t SP, float *scores) {
     int64_t j0 = 0;
-    for (; j0 + 32 <= S; j0 += 32) {
-        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (; j0 + 32 <= SP; j0 += 32) {
+        v16f a[ATT_ROWS][2];
+        for (int r = 0; r < ATT_ROWS; r++) a[r][0] = a[r][1] = (v16f){0};
         for (int64_t d = 0; d < D; d++) {
-            const float *row = keys_t + d * S + j0;
-            a0 += q[d] * load8(row), a1 += q[d] * load8(row + 8);
-            a2 += q[d] * load8(row + 16), a3 += q[d] * load8(row + 24);
+            v16f k0 = load16(keys_t + d * SP + j0), k1 = load16(keys_t + d * SP + j0 + 16);
+#pragma GCC unroll 4
+            for (int r = 0; r < ATT_ROWS; r++) {
+                float qv = q[r * D + d];
+                a[r][0] += qv * k0, a[r][1] += qv * k1;
+            }
         }
-        store8(scores + j0, a0), store8(scores + j0 + 8, a1), store8(scores + j0 + 16, a2), store8(scores + j0 + 24, a3);
+        for (int r = 0; r < ATT_ROWS; r++) store16(scores + r * SP + j0, a[r][0]), store16(scores + r * SP + j0 + 16, a[r][1]);
     }
-    for (; j0 + 8 <= S; j0 += 8) {
-        v8f acc = {0};
-        for (int64_t d = 0; d < D; d++) acc += q[d] * load8(keys_t + d * S + j0);
-        store8(scores + j0, acc);
-    }
-    for (int64_t j = j0; j < S; j++) {
-        float acc = 0.0f;
-        for (int64_t d = 0; d < D; d++) acc += q[d] * keys_t[d * S + j];
-        scores[j] = acc;
+    if (j0 < SP) { /* the last 16 keys */
+        v16f a[ATT_ROWS];
+        for (int r = 0; r < ATT_ROWS; r++) a[r] = (v16f){0};
+        for (int64_t d = 0; d < D; d++) {
+            v16f k0 = load16(keys_t + d * SP + j0);
+#pragma GCC unroll 4
+            for (int r = 0; r < ATT_ROWS; r++) a[r] += q[r * D + d] * k0;
+        }
+        for (int r = 0; r < ATT_ROWS; r++) store16(scores + r * SP + j0, a[r]);
     }
 }
 
-/* out[d] = scale * sum_j w[j] values[j * stride + d]: 32 output dims at a time in four vector
- * sums held across all keys, then eight, then one. */
-static void weighted_sum(const float *w, const float *values, int64_t stride, int64_t S, int64_t D, float scale,
-                         float *out) {
+/* out[r][d] = scale[r] * sum_{j < S} w[r * SP + j] values[j * stride + d] for the first `rows`
+ * rows of the tile: 32 dims at a time, then 16, then one by one. */
+static void weighted_tile(const float *w, int64_t SP, const float *values, int64_t stride, int64_t S, int64_t D,
+                          const float *scale, float *const *out, int rows) {
     int64_t d0 = 0;
     for (; d0 + 32 <= D; d0 += 32) {
-        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        v16f a[ATT_ROWS][2];
+        for (int r = 0; r < ATT_ROWS; r++) a[r][0] = a[r][1] = (v16f){0};
         for (int64_t j = 0; j < S; j++) {
-            const float *row = values + j * stride + d0;
-            a0 += w[j] * load8(row), a1 += w[j] * load8(row + 8);
-            a2 += w[j] * load8(row + 16), a3 += w[j] * load8(row + 24);
+            v16f v0 = load16(values + j * stride + d0), v1 = load16(values + j * stride + d0 + 16);
+#pragma GCC unroll 4
+            for (int r = 0; r < ATT_ROWS; r++) {
+                float wv = w[r * SP + j];
+                a[r][0] += wv * v0, a[r][1] += wv * v1;
+            }
         }
-        store8(out + d0, a0 * scale), store8(out + d0 + 8, a1 * scale);
-        store8(out + d0 + 16, a2 * scale), store8(out + d0 + 24, a3 * scale);
+        for (int r = 0; r < rows; r++) store16(out[r] + d0, a[r][0] * scale[r]), store16(out[r] + d0 + 16, a[r][1] * scale[r]);
     }
-    for (; d0 + 8 <= D; d0 += 8) {
-        v8f acc = {0};
-        for (int64_t j = 0; j < S; j++) acc += w[j] * load8(values + j * stride + d0);
-        store8(out + d0, acc * scale);
-    }
-    for (int64_t d = d0; d < D; d++) {
-        float acc = 0.0f;
-        for (int64_t j = 0; j < S; j++) acc += w[j] * values[j * stride + d];
-        out[d] = acc * scale;
-    }
-}
-
-/* scores_of for two queries at once: each key vector loaded once feeds both (eight independent
- * sums of 32 keys x 2 queries, then 8 x 2, then one by one). */
-static void scores_of2(const float *q0, const float *q1, const float *keys_t, int64_t D, int64_t S, float *s0,
-                       float *s1) {
-    int64_t j0 = 0;
-    for (; j0 + 32 <= S; j0 += 32) {
-        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-        for (int64_t d = 0; d < D; d++) {
-            const float *row = keys_t + d * S + j0;
-            v8f k0 = load8(row), k1 = load8(row + 8), k2 = load8(row + 16), k3 = load8(row + 24);
-            a0 += q0[d] * k0, a1 += q0[d] * k1, a2 += q0[d] * k2, a3 += q0[d] * k3;
-            b0 += q1[d] * k0, b1 += q1[d] * k1, b2 += q1[d] * k2, b3 += q1[d] * k3;
-        }
-        store8(s0 + j0, a0), store8(s0 + j0 + 8, a1), store8(s0 + j0 + 16, a2), store8(s0 + j0 + 24, a3);
-        store8(s1 + j0, b0), store8(s1 + j0 + 8, b1), store8(s1 + j0 + 16, b2), store8(s1 + j0 + 24, b3);
-    }
-    for (; j0 + 8 <= S; j0 += 8) {
-        v8f a = {0}, b = {0};
-        for (int64_t d = 0; d < D; d++) {
-            v8f k = load8(keys_t + d * S + j0);
-            a += q0[d] * k, b += q1[d] * k;
-        }
-        store8(s0 + j0, a), store8(s1 + j0, b);
-    }
-    for (int64_t j = j0; j < S; j++) {
-        float a = 0.0f, b = 0.0f;
-        for (int64_t d = 0; d < D; d++) a += q0[d] * keys_t[d * S + j], b += q1[d] * keys_t[d * S + j];
-        s0[j] = a, s1[j] = b;
-    }
-}
-
-/* weighted_sum for two queries at once (each value vector loaded once feeds both). */
-static void weighted_sum2(const float *w0, const float *w1, const float *values, int64_t stride, int64_t S, int64_t D,
-                          float scale0, float scale1, float *out0, float *out1) {
-    int64_t d0 = 0;
-    for (; d0 + 32 <= D; d0 += 32) {
-        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+    for (; d0 + 16 <= D; d0 += 16) {
+        v16f a[ATT_ROWS];
+        for (int r = 0; r < ATT_ROWS; r++) a[r] = (v16f){0};
         for (int64_t j = 0; j < S; j++) {
-            const float *row = values + j * stride + d0;
-            v8f v0 = load8(row), v1 = load8(row + 8), v2 = load8(row + 16), v3 = load8(row + 24);
-            a0 += w0[j] * v0, a1 += w0[j] * v1, a2 += w0[j] * v2, a3 += w0[j] * v3;
-            b0 += w1[j] * v0, b1 += w1[j] * v1, b2 += w1[j] * v2, b3 += w1[j] * v3;
+            v16f v0 = load16(values + j * stride + d0);
+#pragma GCC unroll 4
+            for (int r = 0; r < ATT_ROWS; r++) a[r] += w[r * SP + j] * v0;
         }
-        store8(out0 + d0, a0 * scale0), store8(out0 + d0 + 8, a1 * scale0);
-        store8(out0 + d0 + 16, a2 * scale0), store8(out0 + d0 + 24, a3 * scale0);
-        store8(out1 + d0, b0 * scale1), store8(out1 + d0 + 8, b1 * scale1);
-        store8(out1 + d0 + 16, b2 * scale1), store8(out1 + d0 + 24, b3 * scale1);
+        for (int r = 0; r < rows; r++) store16(out[r] + d0, a[r] * scale[r]);
     }
-    if (d0 < D) { /* the rest of the dims one query at a time */
-        weighted_sum(w0, values + d0, stride, S, D - d0, scale0, out0 + d0);
-        weighted_sum(w1, values + d0, stride, S, D - d0, scale1, out1 + d0);
-    }
+    for (; d0 < D; d0++)
+        for (int r = 0; r < rows; r++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < S; j++) acc += w[r * SP + j] * values[j * stride + d0];
+            out[r][d0] = acc * scale[r];
+        }
 }
 
 /* exp(x) for x <= 0: 2^n p(r) with n = round(x / ln 2), r = x - n ln 2 (in two parts) and the
@@ -394,7 +383,7 @@ int dinfer_rope_attention_f32(const float *q, int64_t qb, int64_t qt, int64_t qh
                               int64_t rot, const float *q_norm, const float *k_norm, float eps, int64_t B, int64_t T,
                               int64_t H, int64_t KV, int64_t D, float *keys, float *values, const int64_t *slots,
                               int64_t sb, int64_t S, const uint8_t *key_valid, float scale, float *out) {
-    int64_t SP = (S + 7) / 8 * 8; /* keys padded to whole vectors: zero keys, masked scores */
+    int64_t SP = (S + 15) / 16 * 16; /* keys padded to whole vectors: zero keys, never read past S */
     /* the keys' rotary and the K/V writes: one lane per (row, kv head), its tokens in order */
 #pragma omp parallel for schedule(static) if (!single_thread && B * KV > 1 && B * T * KV * D >= PARALLEL_MIN_ELEMENTS)
     for (int64_t lane = 0; lane < B * KV; lane++) {
@@ -415,14 +404,14 @@ int dinfer_rope_attention_f32(const float *q, int64_t qb, int64_t qt, int64_t qh
      * itself uses (one pool, already spinning after torch's last op), when there is enough work. */
 #pragma omp parallel if (!single_thread && B * KV > 1 && B * T * H * S * D >= PARALLEL_MIN_WORK) reduction(| : failed)
     {
-        float tmp_q[D], qr[2][D];
-        /* this thread's scratch: the kv head's keys transposed [D, SP], and two score rows */
-        float *keys_t = calloc((size_t)(D * SP + 2 * SP), sizeof(float));
+        float tmp_q[D], qr[ATT_ROWS * D];
+        /* this thread's scratch: the kv head's keys transposed [D, SP], and a tile's score rows */
+        float *keys_t = calloc((size_t)((D + ATT_ROWS) * SP), sizeof(float));
         if (keys_t == NULL) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t bg = 0; bg < B * KV; bg++) {
             if (keys_t == NULL) continue;
-            float *scores[2] = {keys_t + D * SP, keys_t + D * SP + SP};
+            float *scores = keys_t + D * SP;
             int64_t b = bg / KV, g = bg % KV;
             const uint8_t *valid = key_valid + b * S;
             int64_t n_valid = 0;
@@ -431,28 +420,25 @@ int dinfer_rope_attention_f32(const float *q, int64_t qb, int64_t qt, int64_t qh
             const float *kbase = keys + (b * S * KV + g) * D, *vbase = values + (b * S * KV + g) * D;
             for (int64_t d = 0; d < D; d++)
                 for (int64_t j = 0; j < S; j++) keys_t[d * SP + j] = kbase[j * KV * D + d];
-            /* the group's query rows (t, head) in pairs: each key and value vector read once per pair */
+            /* the group's query rows (t, head), ATT_ROWS at a time (the last tile's spare rows zero) */
             int64_t rows = T * group;
-            for (int64_t r0 = 0; r0 < rows; r0 += 2) {
-                int64_t pair = r0 + 1 < rows ? 2 : 1;
-                float *o[2];
-                for (int64_t i = 0; i < pair; i++) {
+            for (int64_t r0 = 0; r0 < rows; r0 += ATT_ROWS) {
+                int nr = rows - r0 < ATT_ROWS ? (int)(rows - r0) : ATT_ROWS;
+                float *o[ATT_ROWS], inv[ATT_ROWS];
+                for (int i = 0; i < ATT_ROWS; i++) {
+                    float *qi = qr + i * D;
+                    if (i >= nr) {
+                        memset(qi, 0, (size_t)D * sizeof(float));
+                        continue;
+                    }
                     int64_t t = (r0 + i) / group, h = g * group + (r0 + i) % group, p = pos[b * pb + t * pt];
-                    rope_row(q + b * qb + t * qt + h * qh, q_norm, eps, cos_t + p * rot, sin_t + p * rot, rot, D, tmp_q,
-                             qr[i]);
-                    for (int64_t d = 0; d < D; d++) qr[i][d] *= scale;
+                    rope_row(q + b * qb + t * qt + h * qh, q_norm, eps, cos_t + p * rot, sin_t + p * rot, rot, D, tmp_q, qi);
+                    for (int64_t d = 0; d < D; d++) qi[d] *= scale;
                     o[i] = out + ((b * T + t) * H + h) * D;
                 }
-                if (pair == 2) {
-                    scores_of2(qr[0], qr[1], keys_t, D, SP, scores[0], scores[1]);
-                    float total0 = softmax_numerators(scores[0], S, valid, masked);
-                    float total1 = softmax_numerators(scores[1], S, valid, masked);
-                    weighted_sum2(scores[0], scores[1], vbase, KV * D, S, D, 1.0f / total0, 1.0f / total1, o[0], o[1]);
-                } else {
-                    scores_of(qr[0], keys_t, D, SP, scores[0]);
-                    float total = softmax_numerators(scores[0], S, valid, masked);
-                    weighted_sum(scores[0], vbase, KV * D, S, D, 1.0f / total, o[0]);
-                }
+                scores_tile(qr, keys_t, D, SP, scores);
+                for (int i = 0; i < nr; i++) inv[i] = 1.0f / softmax_numerators(scores + i * SP, S, valid, masked);
+                weighted_tile(scores, SP, vbase, KV * D, S, D, inv, o, nr);
             }
         }
         free(keys_t);
@@ -478,16 +464,8 @@ void dinfer_set_blas(void *sgemm) { blas_sgemm = (sgemm_fn)sgemm; }
  * two whole vectors of W and broadcasts six x values: twelve independent FMA chains. Measured
  * on the 2-core EPYC (Zen 4) here, one thread: 1024 x 192 weights at 21 rows 83 vs 115 us for
  * torch's MKL sgemm, 4096 x 768 at 21 rows 1.6 vs 3.4 ms, at 1050 rows 64 vs 87 ms. */
-typedef float v16f __attribute__((vector_size(64)));
 #define PANEL 32
 #define TILE_ROWS 6
-
-static inline v16f load16(const float *p) {
-    v16f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-static inline void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
 
 int64_t dinfer_panel_floats(int64_t n, int64_t k) { return (n + PANEL - 1) / PANEL * PANEL * k; }
 
@@ -779,24 +757,56 @@ typedef struct {
     float eps, scale;
 } dinfer_attention_plan;
 
+/* The block for the batch rows [b0, b1) on the calling thread; qkv: scratch of (b1 - b0) * T * N
+ * floats, plus 2 * (b1 - b0) * T * KV * D when there is no cache (keys NULL). */
+static int attention_rows(const dinfer_attention_plan *p, const float *x, int64_t b0, int64_t b1, int64_t T,
+                          const int64_t *pos, int64_t pb, int64_t pt, const float *cos_t, const float *sin_t,
+                          float *keys, float *values, const int64_t *slots, int64_t sb, int64_t S,
+                          const uint8_t *key_valid, float *out, float *qkv) {
+    int64_t H = p->heads, KV = p->kv_heads, D = p->head_dim, N = p->qkv.n, B = b1 - b0;
+    if (keys == NULL) {
+        keys = qkv + B * T * N, values = keys + B * T * KV * D;
+    } else {
+        keys += b0 * S * KV * D, values += b0 * S * KV * D;
+        slots = slots + b0 * sb;
+    }
+    if (linear_rows(&p->qkv, x + b0 * T * p->qkv.k, B * T, qkv) != 0) return -1;
+    return dinfer_rope_attention_f32(qkv, T * N, N, D, qkv + H * D, T * N, N, D, qkv + (H + KV) * D, T * N, N, D,
+                                     pos + b0 * pb, pb, pt, cos_t, sin_t, p->rot, p->q_norm, p->k_norm, p->eps, B, T, H,
+                                     KV, D, keys, values, slots, sb, S, key_valid + b0 * S, p->scale,
+                                     out + b0 * T * H * D);
+}
+
+/* Many short rows (a decoding batch): the batch rows split over the threads, each row's whole
+ * block on one thread (its projection output and keys stay in that core's cache, one fork per
+ * layer instead of one per kernel). Packed weights only: the BLAS keeps its own threads. */
+#define OUTER_MIN_ROWS 4 /* batch rows per thread at least */
+
 int dinfer_attention_block_f32(const dinfer_attention_plan *p, const float *x, int64_t B, int64_t T,
                                const int64_t *pos, int64_t pb, int64_t pt, const float *cos_t, const float *sin_t,
                                float *keys, float *values, const int64_t *slots, int64_t sb, int64_t S,
                                const uint8_t *key_valid, float *out) {
     if (blas_sgemm == NULL) return -2;
-    int64_t H = p->heads, KV = p->kv_heads, D = p->head_dim, N = p->qkv.n;
-    /* no cache (keys NULL): the keys and values are the call's own, in this scratch after qkv */
-    int64_t own = keys == NULL ? B * T * KV * D : 0;
-    float *qkv = malloc((size_t)(B * T * N + 2 * own + 1) * sizeof(float));
-    if (qkv == NULL) return -1;
-    if (keys == NULL) keys = qkv + B * T * N, values = keys + own;
-    if (linear_rows(&p->qkv, x, B * T, qkv) != 0) {
-        free(qkv);
-        return -1;
+    int64_t KV = p->kv_heads, D = p->head_dim, N = p->qkv.n;
+    int64_t own = keys == NULL ? T * KV * D : 0; /* no cache: the keys and values are scratch after qkv */
+    int threads = outer_threads();
+    int packed = p->qkv.panels != NULL || p->qkv.bf16_panels != NULL;
+    if (threads > 1 && packed && B >= (int64_t)threads * OUTER_MIN_ROWS) {
+        int failed = 0;
+#pragma omp parallel reduction(| : failed)
+        {
+            float *qkv = malloc((size_t)(T * N + 2 * own + 1) * sizeof(float));
+#pragma omp for schedule(dynamic)
+            for (int64_t b = 0; b < B; b++)
+                failed |= qkv == NULL || attention_rows(p, x, b, b + 1, T, pos, pb, pt, cos_t, sin_t, keys, values, slots,
+                                                        sb, S, key_valid, out, qkv) != 0;
+            free(qkv);
+        }
+        return failed ? -1 : 0;
     }
-    int rc = dinfer_rope_attention_f32(qkv, T * N, N, D, qkv + H * D, T * N, N, D, qkv + (H + KV) * D, T * N, N, D, pos,
-                                       pb, pt, cos_t, sin_t, p->rot, p->q_norm, p->k_norm, p->eps, B, T, H, KV, D, keys,
-                                       values, slots, sb, S, key_valid, p->scale, out);
+    float *qkv = malloc((size_t)(B * (T * N + 2 * own) + 1) * sizeof(float));
+    if (qkv == NULL) return -1;
+    int rc = attention_rows(p, x, 0, B, T, pos, pb, pt, cos_t, sin_t, keys, values, slots, sb, S, key_valid, out, qkv);
     free(qkv);
     return rc;
 }
@@ -812,28 +822,55 @@ typedef struct {
 } dinfer_mlp_plan;
 
 #define MLP_SLICE_ROWS 256 /* rows per pass: the scratch stays rows x (2 dim + 3 hidden) of these */
+#define MLP_OUTER_ROWS 64 /* rows per pass when the passes split over the threads */
+
+/* The block for rows [r0, r1) in passes of `slice` rows on the calling thread. */
+static int mlp_rows(const dinfer_mlp_plan *p, const float *attn, const float *residual, int64_t r0, int64_t r1,
+                    int64_t slice, float *normed, float *total, float *scratch) {
+    int64_t D = p->dim, Hd = p->hidden, K = p->o.k;
+    float *proj = scratch, *mid = proj + slice * D, *gate_up = mid + slice * D, *act = gate_up + slice * 2 * Hd;
+    for (; r0 < r1; r0 += slice) { /* rows are independent: a refresh of 1000+ rows in slices */
+        int64_t n = r1 - r0 < slice ? r1 - r0 : slice;
+        float *tot = total + r0 * D;
+        if (linear_rows(&p->o, attn + r0 * K, n, proj) != 0) return -1;
+        dinfer_add_rms_norm_f32(residual + r0 * D, proj, p->norm, mid, tot, n, D, p->eps);
+        if (linear_rows(&p->gate_up, mid, n, gate_up) != 0) return -1;
+        dinfer_swiglu_f32(gate_up, act, n, Hd);
+        if (linear_rows(&p->down, act, n, proj) != 0) return -1;
+        dinfer_add_rms_norm_f32(tot, proj, p->out_norm, normed + r0 * D, tot, n, D, p->eps); /* in place: elementwise */
+    }
+    return 0;
+}
 
 int dinfer_mlp_block_f32(const dinfer_mlp_plan *p, const float *attn, const float *residual, int64_t rows,
                          float *normed, float *total) {
     if (blas_sgemm == NULL) return -2;
-    int64_t D = p->dim, Hd = p->hidden, K = p->o.k;
+    int64_t D = p->dim, Hd = p->hidden;
+    const dinfer_linear *all[3] = {&p->o, &p->gate_up, &p->down};
+    int packed = 1;
+    for (int i = 0; i < 3; i++) packed &= all[i]->panels != NULL || all[i]->bf16_panels != NULL;
+    int threads = outer_threads();
+    if (threads > 1 && packed && rows >= (int64_t)threads * 2 * MLP_OUTER_ROWS) { /* as dinfer_attention_block_f32 */
+        int64_t slice = MLP_OUTER_ROWS, passes = (rows + slice - 1) / slice;
+        int failed = 0;
+#pragma omp parallel reduction(| : failed)
+        {
+            float *scratch = malloc((size_t)(slice * (2 * D + 3 * Hd) + 1) * sizeof(float));
+#pragma omp for schedule(dynamic)
+            for (int64_t i = 0; i < passes; i++) {
+                int64_t r1 = (i + 1) * slice < rows ? (i + 1) * slice : rows;
+                failed |= scratch == NULL || mlp_rows(p, attn, residual, i * slice, r1, slice, normed, total, scratch) != 0;
+            }
+            free(scratch);
+        }
+        return failed ? -1 : 0;
+    }
     int64_t slice = rows < MLP_SLICE_ROWS ? rows : MLP_SLICE_ROWS;
     float *scratch = malloc((size_t)(slice * (2 * D + 3 * Hd) + 1) * sizeof(float));
     if (scratch == NULL) return -1;
-    float *proj = scratch, *mid = proj + slice * D, *gate_up = mid + slice * D, *act = gate_up + slice * 2 * Hd;
-    int64_t r0 = 0;
-    for (; r0 < rows; r0 += slice) { /* rows are independent: a refresh of 1000+ rows in slices */
-        int64_t n = rows - r0 < slice ? rows - r0 : slice;
-        float *tot = total + r0 * D;
-        if (linear_rows(&p->o, attn + r0 * K, n, proj) != 0) break;
-        dinfer_add_rms_norm_f32(residual + r0 * D, proj, p->norm, mid, tot, n, D, p->eps);
-        if (linear_rows(&p->gate_up, mid, n, gate_up) != 0) break;
-        dinfer_swiglu_f32(gate_up, act, n, Hd);
-        if (linear_rows(&p->down, act, n, proj) != 0) break;
-        dinfer_add_rms_norm_f32(tot, proj, p->out_norm, normed + r0 * D, tot, n, D, p->eps); /* in place: elementwise */
-    }
+    int rc = mlp_rows(p, attn, residual, 0, rows, slice, normed, total, scratch);
     free(scratch);
-    return r0 < rows ? -1 : 0; /* a projection's scratch could not be allocated */
+    return rc; /* -1: a projection's scratch could not be allocated */
 }
 
 

@@ -45,18 +45,16 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-er
 OPENMP_FLAGS = ("-fopenmp",)
 OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
 ABI = 10
-# The native attention core splits its (row, kv head) pairs over torch's OpenMP threads and reads
-# each key and value vector once per two query rows. Against native rotary + torch's SDPA, one
-# call, 2 threads: 52 keys, 6 heads of 32: 1 x 52 queries 53 vs 71 us, 50 rows x 20 queries 856 vs
-# 935 us, 50 x 52 1970 vs 1940 us; 96 keys, 12 heads of 64 (the 134M benchmark model): 32
-# queries 130 vs 141 us, 96 queries 316 vs 366 us; but 288 keys (8 x 32 queries) 3040 vs 1920 us
-# and 1056 keys 1538 vs 884 us: SDPA's blocked kernel wins once the keys are long. In a decoding
-# loop at batch 50 (52 keys) native was 0.97x SDPA's step time with 20 queries a row, 1.05x with
-# 52. So the native core takes calls of up to MAX_NATIVE_SCORES query x key scores, or up to
-# MAX_SHORT_KEY_SCORES while the keys are at most MAX_NATIVE_KEYS.
+# The native attention core splits its (row, kv head) pairs over torch's OpenMP threads and
+# computes each pair's scores and outputs in register tiles of 4 query rows x 32 keys (values).
+# Against native rotary + torch's SDPA, one call, 2 threads (session 17): 52 keys, 6 heads of 32:
+# 50 rows x 52 queries 4.3 vs 7.2 ms, 50 x 20 0.91 vs 1.81, 1 x 52 0.10 vs 0.14; 12 heads of 64
+# (the 134M benchmark model): 96 keys 0.52 vs 0.74 ms, 8 x 96 4.6 vs 5.6; but 288 keys 3.7 vs 4.0
+# (one row) and 29.4 vs 27.7 ms (eight), 1056 keys 49 vs 32 ms: SDPA's blocked kernel wins once the
+# keys are long. So the native core takes every call whose keys are at most MAX_NATIVE_KEYS, and
+# longer ones up to MAX_NATIVE_SCORES query x key scores.
 MAX_NATIVE_SCORES = 1 << 16
 MAX_NATIVE_KEYS = 128
-MAX_SHORT_KEY_SCORES = 1 << 19
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -552,7 +550,7 @@ def _attention_target(b, t, h, kv, d, positions, q_norm, k_norm, slots, k_cache,
     a cache the keys / values are scratch tensors, or (``scratch=False``: the layer block, which
     allocates its own) None."""
     n = t if k_cache is None else k_cache.shape[1]
-    if b * t * h * n > (MAX_SHORT_KEY_SCORES if n <= MAX_NATIVE_KEYS else MAX_NATIVE_SCORES):
+    if n > MAX_NATIVE_KEYS and b * t * h * n > MAX_NATIVE_SCORES:
         return None
     if key_valid.dtype != torch.bool or not key_valid.is_contiguous() or tuple(key_valid.shape) != (b, n):
         return None
