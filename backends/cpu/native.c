@@ -52,6 +52,35 @@ int dinfer_native_openmp(void) {
 /* Whether kernels may split over threads (OpenMP build, and torch's runtime). */
 int dinfer_native_threaded(void) { return !single_thread && dinfer_native_openmp(); }
 
+/* Per-thread scratch kept between calls: each slot grows to the largest request (up to
+ * SCRATCH_KEEP_BYTES) and is reused. Why: glibc serves blocks of 128 KB and more with mmap and
+ * hands them back with munmap, so a per-call malloc of a batch-1 layer's scratch (52 positions of
+ * the embedded model: 200 KB) faulted its pages in again on every call, on both threads; the
+ * batch-1 attention block took 184 us on two threads against 150 on one (session 17). Slots: the
+ * layer blocks' own buffers, a GEMM's converted input, the attention core's transposed keys (a
+ * call holds at most one of each). */
+enum { SCRATCH_BLOCK, SCRATCH_GEMM, SCRATCH_KEYS, SCRATCH_SLOTS };
+#define SCRATCH_KEEP_BYTES ((size_t)64 << 20)
+static _Thread_local struct {
+    void *p;
+    size_t n;
+} kept[SCRATCH_SLOTS];
+
+/* At least `bytes` of scratch for this thread (NULL: out of memory); give it back with scratch_put. */
+static void *scratch_get(int slot, size_t bytes) {
+    if (bytes > SCRATCH_KEEP_BYTES) return malloc(bytes);
+    if (kept[slot].n < bytes) {
+        free(kept[slot].p);
+        kept[slot].p = malloc(bytes);
+        kept[slot].n = kept[slot].p != NULL ? bytes : 0;
+    }
+    return kept[slot].p;
+}
+
+static void scratch_put(int slot, void *p) {
+    if (p != kept[slot].p) free(p);
+}
+
 /* Threads an outer split of a layer block over its independent rows may use (1: none). Inside
  * such a split every kernel's own parallel region runs on its calling thread (OpenMP leaves
  * nested regions inactive), so each thread keeps its rows' intermediates in its own cache. */
@@ -331,11 +360,13 @@ static void exp_shifted(float *scores, int64_t n, float m) {
 }
 
 /* scores <- the softmax numerators over the valid keys (masked keys 0); returns their sum.
- * ``masked``: some keys of the row are padding (a row without any valid key attends to all). */
+ * ``masked``: some keys of the row are padding (a row without any valid key attends to all).
+ * The row is read and written up to S rounded up to 8 (no scalar tail of exponentials; the
+ * caller's buffer is that long and ignores the values past S). */
 static float softmax_numerators(float *scores, int64_t S, const uint8_t *valid, int masked) {
     if (masked)
         for (int64_t j = 0; j < S; j++) scores[j] = valid[j] ? scores[j] : -INFINITY;
-    exp_shifted(scores, S, max_of(scores, S));
+    exp_shifted(scores, (S + 7) / 8 * 8, max_of(scores, S));
     if (masked)
         for (int64_t j = 0; j < S; j++) scores[j] = valid[j] ? scores[j] : 0.0f;
     return sum_of(scores, S);
@@ -406,8 +437,10 @@ int dinfer_rope_attention_f32(const float *q, int64_t qb, int64_t qt, int64_t qh
     {
         float tmp_q[D], qr[ATT_ROWS * D];
         /* this thread's scratch: the kv head's keys transposed [D, SP], and a tile's score rows */
-        float *keys_t = calloc((size_t)((D + ATT_ROWS) * SP), sizeof(float));
+        float *keys_t = scratch_get(SCRATCH_KEYS, (size_t)((D + ATT_ROWS) * SP) * sizeof(float));
         if (keys_t == NULL) failed = 1;
+        else /* the padding keys past S: zero (the slot may hold an earlier call's values) */
+            for (int64_t d = 0; d < D; d++) memset(keys_t + d * SP + S, 0, (size_t)(SP - S) * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t bg = 0; bg < B * KV; bg++) {
             if (keys_t == NULL) continue;
@@ -441,7 +474,7 @@ int dinfer_rope_attention_f32(const float *q, int64_t qb, int64_t qt, int64_t qh
                 weighted_tile(scores, SP, vbase, KV * D, S, D, inv, o, nr);
             }
         }
-        free(keys_t);
+        scratch_put(SCRATCH_KEYS, keys_t);
     }
     return failed ? -1 : 0;
 }
@@ -559,7 +592,7 @@ int dinfer_xt_linear_f32(const float *w, int64_t n, int64_t k, const float *x, i
     int64_t chunk = XT_CHUNK_FLOATS / (k > 0 ? k : 1) / 32 * 32;
     chunk = chunk < 32 ? 32 : chunk;
     int64_t chunk_p = rows < chunk ? (rows + 15) / 16 * 16 : chunk;
-    float *xt = malloc((size_t)(k * chunk_p + 1) * sizeof(float));
+    float *xt = scratch_get(SCRATCH_GEMM, (size_t)(k * chunk_p + 1) * sizeof(float));
     if (xt == NULL) return -1;
     int64_t blocks = (n + XT_ROWS - 1) / XT_ROWS;
     for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
@@ -585,7 +618,7 @@ int dinfer_xt_linear_f32(const float *w, int64_t n, int64_t k, const float *x, i
             }
         }
     }
-    free(xt);
+    scratch_put(SCRATCH_GEMM, xt);
     return 0;
 }
 
@@ -631,7 +664,7 @@ void dinfer_pack_panels_bf16(const float *w, int64_t n, int64_t k, uint16_t *pan
 /* x rounded to bfloat16, rows padded to whole tiles and k to pairs (zeros): [rows_p][k2] pairs. */
 static uint32_t *bf16_rows(const float *x, int64_t rows, int64_t k, int64_t rows_p) {
     int64_t k2 = (k + 1) / 2;
-    uint32_t *xb = malloc((size_t)(rows_p * k2 + 1) * sizeof(uint32_t));
+    uint32_t *xb = scratch_get(SCRATCH_GEMM, (size_t)(rows_p * k2 + 1) * sizeof(uint32_t));
     if (xb == NULL) return NULL;
 #pragma omp parallel for schedule(static) if (!single_thread && rows * k >= 4 * PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows_p; r++) {
@@ -687,7 +720,7 @@ static int bf16_linear(const uint16_t *panels, int64_t n, int64_t k, const float
             bf16_tile(xb + r0 * k2, k2, (int)(rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS),
                       panels + p * k2 * 2 * PANEL, y + r0 * n + p * PANEL, n, cols);
     }
-    free(xb);
+    scratch_put(SCRATCH_GEMM, xb);
     return 0;
 #else
     (void)panels, (void)n, (void)k, (void)x, (void)rows, (void)y;
@@ -795,19 +828,19 @@ int dinfer_attention_block_f32(const dinfer_attention_plan *p, const float *x, i
         int failed = 0;
 #pragma omp parallel reduction(| : failed)
         {
-            float *qkv = malloc((size_t)(T * N + 2 * own + 1) * sizeof(float));
+            float *qkv = scratch_get(SCRATCH_BLOCK, (size_t)(T * N + 2 * own + 1) * sizeof(float));
 #pragma omp for schedule(dynamic)
             for (int64_t b = 0; b < B; b++)
                 failed |= qkv == NULL || attention_rows(p, x, b, b + 1, T, pos, pb, pt, cos_t, sin_t, keys, values, slots,
                                                         sb, S, key_valid, out, qkv) != 0;
-            free(qkv);
+            scratch_put(SCRATCH_BLOCK, qkv);
         }
         return failed ? -1 : 0;
     }
-    float *qkv = malloc((size_t)(B * (T * N + 2 * own) + 1) * sizeof(float));
+    float *qkv = scratch_get(SCRATCH_BLOCK, (size_t)(B * (T * N + 2 * own) + 1) * sizeof(float));
     if (qkv == NULL) return -1;
     int rc = attention_rows(p, x, 0, B, T, pos, pb, pt, cos_t, sin_t, keys, values, slots, sb, S, key_valid, out, qkv);
-    free(qkv);
+    scratch_put(SCRATCH_BLOCK, qkv);
     return rc;
 }
 
@@ -822,7 +855,8 @@ typedef struct {
 } dinfer_mlp_plan;
 
 #define MLP_SLICE_ROWS 256 /* rows per pass: the scratch stays rows x (2 dim + 3 hidden) of these */
-#define MLP_OUTER_ROWS 64 /* rows per pass when the passes split over the threads */
+#define MLP_OUTER_ROWS 64 /* rows per pass at most when the passes split over the threads */
+#define MLP_SPLIT_MIN_ROWS 8 /* rows per thread at least for that split */
 
 /* The block for rows [r0, r1) in passes of `slice` rows on the calling thread. */
 static int mlp_rows(const dinfer_mlp_plan *p, const float *attn, const float *residual, int64_t r0, int64_t r1,
@@ -850,26 +884,28 @@ int dinfer_mlp_block_f32(const dinfer_mlp_plan *p, const float *attn, const floa
     int packed = 1;
     for (int i = 0; i < 3; i++) packed &= all[i]->panels != NULL || all[i]->bf16_panels != NULL;
     int threads = outer_threads();
-    if (threads > 1 && packed && rows >= (int64_t)threads * 2 * MLP_OUTER_ROWS) { /* as dinfer_attention_block_f32 */
-        int64_t slice = MLP_OUTER_ROWS, passes = (rows + slice - 1) / slice;
+    if (threads > 1 && packed && rows >= (int64_t)threads * MLP_SPLIT_MIN_ROWS) { /* as dinfer_attention_block_f32 */
+        int64_t passes = (rows + MLP_OUTER_ROWS - 1) / MLP_OUTER_ROWS;
+        passes = passes < threads ? threads : passes; /* a batch-1 step: one pass per thread */
+        int64_t slice = (rows + passes - 1) / passes;
         int failed = 0;
 #pragma omp parallel reduction(| : failed)
         {
-            float *scratch = malloc((size_t)(slice * (2 * D + 3 * Hd) + 1) * sizeof(float));
+            float *scratch = scratch_get(SCRATCH_BLOCK, (size_t)(slice * (2 * D + 3 * Hd) + 1) * sizeof(float));
 #pragma omp for schedule(dynamic)
             for (int64_t i = 0; i < passes; i++) {
-                int64_t r1 = (i + 1) * slice < rows ? (i + 1) * slice : rows;
-                failed |= scratch == NULL || mlp_rows(p, attn, residual, i * slice, r1, slice, normed, total, scratch) != 0;
+                int64_t r0 = i * slice, r1 = r0 + slice < rows ? r0 + slice : rows;
+                failed |= scratch == NULL || mlp_rows(p, attn, residual, r0, r1, slice, normed, total, scratch) != 0;
             }
-            free(scratch);
+            scratch_put(SCRATCH_BLOCK, scratch);
         }
         return failed ? -1 : 0;
     }
     int64_t slice = rows < MLP_SLICE_ROWS ? rows : MLP_SLICE_ROWS;
-    float *scratch = malloc((size_t)(slice * (2 * D + 3 * Hd) + 1) * sizeof(float));
+    float *scratch = scratch_get(SCRATCH_BLOCK, (size_t)(slice * (2 * D + 3 * Hd) + 1) * sizeof(float));
     if (scratch == NULL) return -1;
     int rc = mlp_rows(p, attn, residual, 0, rows, slice, normed, total, scratch);
-    free(scratch);
+    scratch_put(SCRATCH_BLOCK, scratch);
     return rc; /* -1: a projection's scratch could not be allocated */
 }
 
