@@ -11,6 +11,7 @@ against, and a fallback for debugging (``DINFER_EXECUTOR=interpreted``).
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ class Executable:
             return slot.setdefault(id(v), len(slot))
 
         self.input_slots = [(v.name, v.type, slot_of(v)) for v in graph.inputs]
+        self._seen: list[tuple | None] = [None] * len(self.input_slots)  # check_inputs' last matched inputs
         base: dict[int, torch.Tensor] = {}
         for p in graph.params:
             if p.name not in weights:
@@ -148,12 +150,23 @@ class Executable:
         return "\n".join(lines) + f"\n# backend {backend}: {sum(fallbacks.values())} fallback node(s): {summary}"
 
     def check_inputs(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        """Every input present with its declared dtype and rank, symbolic dims bound consistently.
+        An input that is the very tensor of the last call, same shape (the KV caches, every step),
+        is not matched again: its dims from then are bound instead (cheaper, same verdict)."""
         bindings: dict[str, int] = {}
-        for name, typ, _ in self.input_slots:
+        seen = self._seen
+        for i, (name, typ, _) in enumerate(self.input_slots):
             t = inputs.get(name)
             if t is None:
                 raise DinferError(f"{self.graph.name}: missing input {name!r} ({typ})")
-            if not typ.matches(t, bindings):
+            last = seen[i]
+            if last is not None and last[0]() is t and last[1] == t.shape:
+                ok = all(bindings.setdefault(sym, got) == got for sym, got in last[2])
+            else:
+                ok = typ.matches(t, bindings)
+                dims = [(d, g) for d, g in zip(typ.shape, t.shape) if isinstance(d, str)]
+                seen[i] = (weakref.ref(t), t.shape, dims) if ok else None  # weak: never keeps an input alive
+            if not ok:
                 raise DinferError(
                     f"{self.graph.name}: input {name!r} is {t.dtype} {list(t.shape)}, expected {typ} with {bindings}"
                 )
