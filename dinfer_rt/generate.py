@@ -242,11 +242,11 @@ class _Forwarder:
         count, and where the block [s, e) lies among them: the index of ``s`` when the whole
         block is computed, else (``delayed``) the block slots computed."""
         key = (spans, s)
-        if key not in self._windows:
-            at = torch.cat([torch.arange(lo, hi) for lo, hi in spans])
+        if key not in self._windows:  # from Python ints, one tensor each (delayed: a new window most steps)
+            listed = [q for lo, hi in spans for q in range(lo, hi)]
             whole = any(lo <= s and e <= hi for lo, hi in spans)
-            where = cache_policy.offset_of(spans, s) if whole else at[(at >= s) & (at < e)] - s
-            self._windows[key] = (at, len(at), where)
+            where = cache_policy.offset_of(spans, s) if whole else torch.tensor([q - s for q in listed if s <= q < e])
+            self._windows[key] = (torch.tensor(listed), len(listed), where)
         return self._windows[key]
 
     def _block_slots(self, s: int, e: int) -> torch.Tensor:
