@@ -54,13 +54,17 @@ int dinfer_native_threaded(void) { return !single_thread && dinfer_native_openmp
 
 /* Per-thread scratch kept between calls: each slot grows to the largest request (up to
  * SCRATCH_KEEP_BYTES) and is reused. Why: glibc serves blocks of 128 KB and more with mmap and
- * hands them back with munmap, so a per-call malloc of a batch-1 layer's scratch (52 positions of
- * the embedded model: 200 KB) faulted its pages in again on every call, on both threads; the
- * batch-1 attention block took 184 us on two threads against 150 on one (session 17). Slots: the
- * layer blocks' own buffers, a GEMM's converted input, the attention core's transposed keys (a
- * call holds at most one of each). */
+ * hands them back with munmap until its adaptive threshold moves, and trims worker threads'
+ * arenas, so per-call scratch (a batch-1 layer of the embedded model: 200 KB) can be faulted in
+ * again on every call. Session 17 measured the batch-1 attention block at 184 us on two threads
+ * against 150 on one with malloc per call in one process, 94 us with kept scratch; in another
+ * process the two versions read alike (106 vs 104 us): it removes a dependence on the
+ * allocator's state rather than a fixed cost. Slots: the layer blocks' own buffers, a GEMM's
+ * converted input, the attention core's transposed keys (a call holds at most one of each). */
 enum { SCRATCH_BLOCK, SCRATCH_GEMM, SCRATCH_KEYS, SCRATCH_SLOTS };
-#define SCRATCH_KEEP_BYTES ((size_t)64 << 20)
+/* Decoding steps' scratch is kept (the 134M benchmark model's 96-position step: under 3 MB); a
+ * long prefill's is allocated and freed per call, so the memory a process keeps stays small. */
+#define SCRATCH_KEEP_BYTES ((size_t)4 << 20)
 static _Thread_local struct {
     void *p;
     size_t n;
