@@ -148,25 +148,6 @@ def test_row_split_gives_the_bits_of_one_thread(fast):
     assert torch.equal(split[0], one[0]) and torch.equal(split[1], one[1])
 
 
-def test_mlp_block_beyond_the_kept_scratch_matches_float64(fast):
-    """A call whose scratch exceeds what a thread keeps between calls (native.c's
-    SCRATCH_KEEP_BYTES, 4 MB: 256 rows x (2 x 64 + 3 x 1400) floats is 4.4 MB on one thread)
-    allocates and frees it per call; the kept-scratch call that follows (two threads, 64-row
-    passes) gives the same bits."""
-    g = torch.Generator().manual_seed(11)
-    rows, dim, hidden = 300, 64, 1400
-    attn, residual = torch.randn(rows, dim, generator=g), torch.randn(rows, dim, generator=g)
-    w_o, w_gu = torch.randn(dim, dim, generator=g) / 8, torch.randn(2 * hidden, dim, generator=g) / 8
-    w_d, n1, n2 = torch.randn(dim, hidden, generator=g) / 37, torch.rand(dim, generator=g) + 0.5, torch.ones(dim)
-    args = (attn, w_o, None, residual, n1, w_gu, w_d, n2)
-    one = _on_threads(1, lambda: fast.mlp_block(*args, 1e-5))
-    split = _on_threads(2, lambda: fast.mlp_block(*args, 1e-5))
-    want = ops.mlp_block(*(None if v is None else v.double() for v in args), eps=1e-5)
-    _close(one[0], want[0])
-    _close(one[1], want[1])
-    assert torch.equal(split[0], one[0]) and torch.equal(split[1], one[1])
-
-
 def test_mlp_block_hands_other_layouts_to_the_composition(fast):
     g = torch.Generator().manual_seed(3)
     attn = torch.randn(6, 16, generator=g).t()  # not row-major: the native block declines

@@ -52,39 +52,6 @@ int dinfer_native_openmp(void) {
 /* Whether kernels may split over threads (OpenMP build, and torch's runtime). */
 int dinfer_native_threaded(void) { return !single_thread && dinfer_native_openmp(); }
 
-/* Per-thread scratch kept between calls: each slot grows to the largest request (up to
- * SCRATCH_KEEP_BYTES) and is reused. Why: glibc serves blocks of 128 KB and more with mmap and
- * hands them back with munmap until its adaptive threshold moves, and trims worker threads'
- * arenas, so per-call scratch (a batch-1 layer of the embedded model: 200 KB) can be faulted in
- * again on every call. Session 17 measured the batch-1 attention block at 184 us on two threads
- * against 150 on one with malloc per call in one process, 94 us with kept scratch; in another
- * process the two versions read alike (106 vs 104 us): it removes a dependence on the
- * allocator's state rather than a fixed cost. Slots: the layer blocks' own buffers, a GEMM's
- * converted input, the attention core's transposed keys (a call holds at most one of each). */
-enum { SCRATCH_BLOCK, SCRATCH_GEMM, SCRATCH_KEYS, SCRATCH_SLOTS };
-/* Decoding steps' scratch is kept (the 134M benchmark model's 96-position step: under 3 MB); a
- * long prefill's is allocated and freed per call, so the memory a process keeps stays small. */
-#define SCRATCH_KEEP_BYTES ((size_t)4 << 20)
-static _Thread_local struct {
-    void *p;
-    size_t n;
-} kept[SCRATCH_SLOTS];
-
-/* At least `bytes` of scratch for this thread (NULL: out of memory); give it back with scratch_put. */
-static void *scratch_get(int slot, size_t bytes) {
-    if (bytes > SCRATCH_KEEP_BYTES) return malloc(bytes);
-    if (kept[slot].n < bytes) {
-        free(kept[slot].p);
-        kept[slot].p = malloc(bytes);
-        kept[slot].n = kept[slot].p != NULL ? bytes : 0;
-    }
-    return kept[slot].p;
-}
-
-static void scratch_put(int slot, void *p) {
-    if (p != kept[slot].p) free(p);
-}
-
 /* Threads an outer split of a layer block over its independent rows may use (1: none). Inside
  * such a split every kernel's own parallel region runs on its calling thread (OpenMP leaves
  * nested regions inactive), so each thread keeps its rows' intermediates in its own cache. */
@@ -441,10 +408,8 @@ int dinfer_rope_attention_f32(const float *q, int64_t qb, int64_t qt, int64_t qh
     {
         float tmp_q[D], qr[ATT_ROWS * D];
         /* this thread's scratch: the kv head's keys transposed [D, SP], and a tile's score rows */
-        float *keys_t = scratch_get(SCRATCH_KEYS, (size_t)((D + ATT_ROWS) * SP) * sizeof(float));
+        float *keys_t = calloc((size_t)((D + ATT_ROWS) * SP), sizeof(float));
         if (keys_t == NULL) failed = 1;
-        else /* the padding keys past S: zero (the slot may hold an earlier call's values) */
-            for (int64_t d = 0; d < D; d++) memset(keys_t + d * SP + S, 0, (size_t)(SP - S) * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t bg = 0; bg < B * KV; bg++) {
             if (keys_t == NULL) continue;
@@ -478,7 +443,7 @@ int dinfer_rope_attention_f32(const float *q, int64_t qb, int64_t qt, int64_t qh
                 weighted_tile(scores, SP, vbase, KV * D, S, D, inv, o, nr);
             }
         }
-        scratch_put(SCRATCH_KEYS, keys_t);
+        free(keys_t);
     }
     return failed ? -1 : 0;
 }
@@ -596,7 +561,7 @@ int dinfer_xt_linear_f32(const float *w, int64_t n, int64_t k, const float *x, i
     int64_t chunk = XT_CHUNK_FLOATS / (k > 0 ? k : 1) / 32 * 32;
     chunk = chunk < 32 ? 32 : chunk;
     int64_t chunk_p = rows < chunk ? (rows + 15) / 16 * 16 : chunk;
-    float *xt = scratch_get(SCRATCH_GEMM, (size_t)(k * chunk_p + 1) * sizeof(float));
+    float *xt = malloc((size_t)(k * chunk_p + 1) * sizeof(float));
     if (xt == NULL) return -1;
     int64_t blocks = (n + XT_ROWS - 1) / XT_ROWS;
     for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
@@ -622,7 +587,7 @@ int dinfer_xt_linear_f32(const float *w, int64_t n, int64_t k, const float *x, i
             }
         }
     }
-    scratch_put(SCRATCH_GEMM, xt);
+    free(xt);
     return 0;
 }
 
@@ -668,7 +633,7 @@ void dinfer_pack_panels_bf16(const float *w, int64_t n, int64_t k, uint16_t *pan
 /* x rounded to bfloat16, rows padded to whole tiles and k to pairs (zeros): [rows_p][k2] pairs. */
 static uint32_t *bf16_rows(const float *x, int64_t rows, int64_t k, int64_t rows_p) {
     int64_t k2 = (k + 1) / 2;
-    uint32_t *xb = scratch_get(SCRATCH_GEMM, (size_t)(rows_p * k2 + 1) * sizeof(uint32_t));
+    uint32_t *xb = malloc((size_t)(rows_p * k2 + 1) * sizeof(uint32_t));
     if (xb == NULL) return NULL;
 #pragma omp parallel for schedule(static) if (!single_thread && rows * k >= 4 * PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows_p; r++) {
@@ -724,7 +689,7 @@ static int bf16_linear(const uint16_t *panels, int64_t n, int64_t k, const float
             bf16_tile(xb + r0 * k2, k2, (int)(rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS),
                       panels + p * k2 * 2 * PANEL, y + r0 * n + p * PANEL, n, cols);
     }
-    scratch_put(SCRATCH_GEMM, xb);
+    free(xb);
     return 0;
 #else
     (void)panels, (void)n, (void)k, (void)x, (void)rows, (void)y;
@@ -832,19 +797,19 @@ int dinfer_attention_block_f32(const dinfer_attention_plan *p, const float *x, i
         int failed = 0;
 #pragma omp parallel reduction(| : failed)
         {
-            float *qkv = scratch_get(SCRATCH_BLOCK, (size_t)(T * N + 2 * own + 1) * sizeof(float));
+            float *qkv = malloc((size_t)(T * N + 2 * own + 1) * sizeof(float));
 #pragma omp for schedule(dynamic)
             for (int64_t b = 0; b < B; b++)
                 failed |= qkv == NULL || attention_rows(p, x, b, b + 1, T, pos, pb, pt, cos_t, sin_t, keys, values, slots,
                                                         sb, S, key_valid, out, qkv) != 0;
-            scratch_put(SCRATCH_BLOCK, qkv);
+            free(qkv);
         }
         return failed ? -1 : 0;
     }
-    float *qkv = scratch_get(SCRATCH_BLOCK, (size_t)(B * (T * N + 2 * own) + 1) * sizeof(float));
+    float *qkv = malloc((size_t)(B * (T * N + 2 * own) + 1) * sizeof(float));
     if (qkv == NULL) return -1;
     int rc = attention_rows(p, x, 0, B, T, pos, pb, pt, cos_t, sin_t, keys, values, slots, sb, S, key_valid, out, qkv);
-    scratch_put(SCRATCH_BLOCK, qkv);
+    free(qkv);
     return rc;
 }
 
@@ -895,21 +860,21 @@ int dinfer_mlp_block_f32(const dinfer_mlp_plan *p, const float *attn, const floa
         int failed = 0;
 #pragma omp parallel reduction(| : failed)
         {
-            float *scratch = scratch_get(SCRATCH_BLOCK, (size_t)(slice * (2 * D + 3 * Hd) + 1) * sizeof(float));
+            float *scratch = malloc((size_t)(slice * (2 * D + 3 * Hd) + 1) * sizeof(float));
 #pragma omp for schedule(dynamic)
             for (int64_t i = 0; i < passes; i++) {
                 int64_t r0 = i * slice, r1 = r0 + slice < rows ? r0 + slice : rows;
                 failed |= scratch == NULL || mlp_rows(p, attn, residual, r0, r1, slice, normed, total, scratch) != 0;
             }
-            scratch_put(SCRATCH_BLOCK, scratch);
+            free(scratch);
         }
         return failed ? -1 : 0;
     }
     int64_t slice = rows < MLP_SLICE_ROWS ? rows : MLP_SLICE_ROWS;
-    float *scratch = scratch_get(SCRATCH_BLOCK, (size_t)(slice * (2 * D + 3 * Hd) + 1) * sizeof(float));
+    float *scratch = malloc((size_t)(slice * (2 * D + 3 * Hd) + 1) * sizeof(float));
     if (scratch == NULL) return -1;
     int rc = mlp_rows(p, attn, residual, 0, rows, slice, normed, total, scratch);
-    scratch_put(SCRATCH_BLOCK, scratch);
+    free(scratch);
     return rc; /* -1: a projection's scratch could not be allocated */
 }
 
