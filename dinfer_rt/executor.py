@@ -151,8 +151,9 @@ class Executable:
 
     def check_inputs(self, inputs: Mapping[str, torch.Tensor]) -> None:
         """Every input present with its declared dtype and rank, symbolic dims bound consistently.
-        An input that is the very tensor of the last call, same shape (the KV caches, every step),
-        is not matched again: its dims from then are bound instead (cheaper, same verdict)."""
+        An input that is the very tensor of the last call, same shape, dtype and device (the KV
+        caches, every step), is not matched again: its dims from then are bound instead (cheaper,
+        same verdict)."""
         bindings: dict[str, int] = {}
         seen = self._seen
         for i, (name, typ, _) in enumerate(self.input_slots):
@@ -160,12 +161,13 @@ class Executable:
             if t is None:
                 raise DinferError(f"{self.graph.name}: missing input {name!r} ({typ})")
             last = seen[i]
-            if last is not None and last[0]() is t and last[1] == t.shape:
+            if last is not None and last[0]() is t and last[1] == (t.shape, t.dtype, t.device):
                 ok = all(bindings.setdefault(sym, got) == got for sym, got in last[2])
             else:
                 ok = typ.matches(t, bindings)
                 dims = [(d, g) for d, g in zip(typ.shape, t.shape) if isinstance(d, str)]
-                seen[i] = (weakref.ref(t), t.shape, dims) if ok else None  # weak: never keeps an input alive
+                # a weak reference: the check never keeps an input alive
+                seen[i] = (weakref.ref(t), (t.shape, t.dtype, t.device), dims) if ok else None
             if not ok:
                 raise DinferError(
                     f"{self.graph.name}: input {name!r} is {t.dtype} {list(t.shape)}, expected {typ} with {bindings}"

@@ -95,6 +95,10 @@ def test_input_check_skips_unchanged_inputs_but_still_catches_a_mismatch(ckpt_di
         resized = dict(inputs, **{"k_cache.0": inputs["k_cache.0"].clone()[:1]})
         with pytest.raises(DinferError, match="k_cache.0"):  # a new cache tensor is matched again
             exe(resized)
+        cache = inputs["k_cache.0"]
+        cache.data = cache.data.double()  # the same tensor object, another dtype: matched again
+        with pytest.raises(DinferError, match="'k_cache.0' is torch.float64"):
+            exe(inputs)
     finally:
         for _, typ, _ in exe.input_slots:
             object.__delattr__(typ, "matches")
