@@ -245,8 +245,9 @@ class _Forwarder:
         if key not in self._windows:  # from Python ints, one tensor each (delayed: a new window most steps)
             listed = [q for lo, hi in spans for q in range(lo, hi)]
             whole = any(lo <= s and e <= hi for lo, hi in spans)
-            where = cache_policy.offset_of(spans, s) if whole else torch.tensor([q - s for q in listed if s <= q < e])
-            self._windows[key] = (torch.tensor(listed), len(listed), where)
+            block = [q - s for q in listed if s <= q < e]  # may be empty: long, never float
+            where = cache_policy.offset_of(spans, s) if whole else torch.tensor(block, dtype=torch.long)
+            self._windows[key] = (torch.tensor(listed, dtype=torch.long), len(listed), where)
         return self._windows[key]
 
     def _block_slots(self, s: int, e: int) -> torch.Tensor:
