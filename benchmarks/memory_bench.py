@@ -16,7 +16,7 @@ samples the resident set every millisecond. Also reported: peak RSS minus the we
 (what the issue names; it includes the libraries), and peak minus the RSS just before decoding. Gen 256 / 512 / 1024,
 block 32, prompt 32, batch 1 and 8.
 
-dinfer-rt runs its scheduler's own step (``generate._Forwarder``: confidence head at the block,
+dinfer-rt runs its engine's own steps (``Engine.step`` over one cohort: confidence head at the block,
 K/V cache buffers spliced in place); the baseline is ``benchmarks/fastdllm_baseline.py``
 (logits of every position, then softmax of the block in float64, K/V concatenated per step).
 
@@ -71,7 +71,7 @@ def child(system: str, path: Path, gen: int, batch: int, block: int, prompt: int
     torch.manual_seed(0)
     n = prompt + gen
     if system == "dinfer-rt":
-        from dinfer_rt.generate import _Forwarder
+        from dinfer_rt.engine import Engine
         from dinfer_rt.loader import load_model
         from dinfer_rt.plugins import select_backend
         from dinfer_rt.sampling import SamplingParams
@@ -102,9 +102,10 @@ def child(system: str, path: Path, gen: int, batch: int, block: int, prompt: int
     s, e = prompt, prompt + block
     with torch.no_grad():
         if system == "dinfer-rt":
-            forward = _Forwarder(model, None, params, prompt, batch, n)
-            forward(x, s, e, 0)  # refresh: every position, cache filled
-            forward(x, s, e, 1)  # block step against the cache
+            engine = Engine(model, max_num_seqs=batch, max_num_batched_tokens=batch * n, max_model_len=n)
+            engine.submit_batch(x[:, :prompt].tolist(), params)
+            engine.step()  # refresh: every position, cache filled
+            engine.step()  # block step against the cache
         else:
             logits, past = model.forward(x, torch.arange(n))
             logits[:, s:e].double().softmax(-1).max(-1)

@@ -1,20 +1,19 @@
-"""Continuous batching at step granularity: every running request advances one scheduler step
-per engine step, all of them in ONE forward, each at its own block.
+"""The engine: request lifecycle over the one decode state machine (``decode.py``).
 
-A request's row keeps what ``generate_batch`` keeps for a batch of one: its sequence, current
-block, step in the block, schedule, rule state, random generator and cache-policy counters, so
-its greedy output equals ``LLM.generate`` of that prompt alone whatever runs beside it. The
-forward gives every row its own query window through the per-row ``token_index`` [B, T] of the
-IR's attention (``Model.forward_rows``): rows whose windows differ in length are padded to the
-longest, the padding queries writing a scratch cache slot no key ever sees. (Padding rather than
-shape buckets: a bucket is a separate forward over a contiguous range of cache rows, and rows of
-one engine mostly share a cache policy, so their windows match; the engine counts the padded
-share in ``stats.padded_tokens``.)
+Every way dinfer-rt decodes goes through :class:`Engine`: ``LLM.generate`` submits a static
+batch as one cohort (``run_batch``), the server submits each request as its own cohort as it
+arrives. Each :meth:`Engine.step` advances every running cohort by one scheduler step: a lone
+cohort runs the lockstep path (one ``compute`` window, static shapes, the device commit
+kernel, CFG, precision schedules); several cohorts at different blocks share one forward with
+per-row query windows, padded to the longest (``stats.padded_tokens`` counts the padding).
+A request's greedy output equals ``LLM.generate`` of its prompt alone whatever runs beside it.
 
-Rows hold KV-cache slots 0..B-1 of one preallocated pool; a retiring row's slot is refilled by
-moving the last row into it, so the running rows are always a contiguous view. A row retires at
-the step whose committed prefix (the generated tokens up to the first position still masked,
-which can no longer change) holds an EOS, a stop string or ``max_tokens`` tokens.
+Cohorts hold contiguous rows of one preallocated KV-cache pool, in admission order; when a
+cohort ends, the last cohort of the same size moves into its rows (else the later ones move
+down), so the running rows are always rows 0..B-1. A request finishes at the step whose
+committed prefix (the generated tokens up to the first slot still masked, which can no longer
+change) holds an EOS (with ``early_stop``), a stop string or ``max_tokens`` tokens; its row is
+then filled and takes no more decisions, and a cohort whose requests all finished ends.
 
 Thread model: ``submit`` and ``abort`` may be called from any thread; ``step`` from one.
 """
@@ -30,11 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dinfer_rt import cache_policy, strategies
-from dinfer_rt.cache_policy import Spans
+from dinfer_rt.decode import BatchResult, Cohort, StopCheck, check_token_ids, forward_rows
 from dinfer_rt.errors import GenerationError
-from dinfer_rt.generate import check_token_ids
-from dinfer_rt.ir import ops
 from dinfer_rt.model import KVCache, Model
 from dinfer_rt.sampling import SamplingParams
 from dinfer_rt.stopping import before_eos, cut_at_stop, first_stop
@@ -72,6 +68,8 @@ class Request:
     forwards: int = 0  # forwards this request took part in
     admitted: float | None = None
     finished: float | None = None
+    cohort: Cohort | None = field(default=None, repr=False)  # its decode state (from submit on)
+    row: int = 0  # its row in the cohort
 
     @property
     def done(self) -> bool:
@@ -85,99 +83,10 @@ class EngineStats:
     committed: int = 0  # tokens committed
     computed_tokens: int = 0  # query slots computed, padding included
     padded_tokens: int = 0  # of which padding
+    lockstep_steps: int = 0  # forwards of one cohort alone (static shapes, one compute window)
+    per_row_steps: int = 0  # forwards of several cohorts with per-row query windows
     finished: int = 0
     failed: int = 0
-
-
-class _Row:
-    """One running request's decoding state (what generate_batch keeps for a batch of one)."""
-
-    def __init__(self, req: Request, model: Model, slot: int) -> None:
-        p = req.params
-        self.req, self.p, self.slot, self.mask_id = req, p, slot, model.mask_id
-        self.p_len, self.n = len(req.prompt), len(req.prompt) + p.gen_length
-        self.lb = p.block_length
-        self.x = torch.cat((torch.tensor(req.prompt, dtype=torch.long), torch.full((p.gen_length,), model.mask_id)))
-        self.rule = strategies.build(p)
-        self.scheduled = p.strategy in strategies.SCHEDULED
-        self.per_block = p.steps_per_block()
-        self.gen = torch.Generator().manual_seed(p.seed)
-        self.use_confidence = p.confidence_head and p.strategy in strategies.STATS_ONLY and p.temperature == 0
-        self.score = strategies.SCORE_KIND.get(p.strategy, "max")
-        self.nfe = 0
-        self.pending = 0  # adaptive / anchored cache: tokens committed since the last full refresh
-        self.prev_start: int | None = None  # block-causal cache: the previous block's start
-        self.last_commits: tuple[int, ...] = ()  # delayed cache: the slots the last step committed
-        self.pred_offsets: torch.Tensor | None = None  # delayed: the block offsets computed (None: all)
-        self.s = (self.p_len // self.lb) * self.lb if model.spec.block_causal else self.p_len
-        self._start_block(model.mask_id)
-
-    def _start_block(self, mask_id: int) -> None:
-        self.e = min(self.s + self.lb, self.n)
-        masked = (self.x[self.s : self.e] == mask_id).sum()[None]
-        self.plan = strategies.linear_schedule(masked, self.per_block)
-        self.state: dict = {}
-        self.step = 0
-
-    def advance(self, mask_id: int) -> bool:
-        """Move past finished blocks (checked every ``sync_every`` steps, as the scheduler does);
-        False when every block is done."""
-        while self.s < self.n:
-            if self.step % self.p.sync_every == 0 and not bool((self.x[self.s : self.e] == mask_id).any()):
-                self.s += self.lb
-                if self.s < self.n:
-                    self._start_block(mask_id)
-                continue
-            if self.step >= 4 * self.lb + self.per_block:
-                raise GenerationError(f"block [{self.s}, {self.e}) did not finish in {self.step} steps")
-            return True
-        return False
-
-    def window(self, block_causal: bool) -> Spans:
-        """Slots this step computes under the row's cache policy (``cache_policy.step_window``)."""
-        active: tuple[int, ...] = ()
-        if self.p.cache == "delayed":
-            masked = (self.x[self.s : self.e] == self.mask_id).nonzero().flatten() + self.s
-            active = tuple(sorted(set(masked.tolist()) | set(self.last_commits)))
-        spans, restart = cache_policy.step_window(
-            self.p, s=self.s, e=self.e, n=self.n, prompt_len=self.p_len, step=self.step, forward=self.nfe,
-            pending=self.pending, block_causal=block_causal, prev_start=self.prev_start, active=active,
-        )  # fmt: skip
-        if block_causal and self.step == 0 and self.p.cache != "none":
-            self.prev_start = self.s
-        if restart:
-            self.pending = 0
-        return spans
-
-    def queries(self, block_causal: bool, shift: bool) -> torch.Tensor:
-        """This step's slots, in the order the forward takes them: first the slots whose outputs
-        predict the block (the block itself, under ``delayed`` its computed slots, ``pred_offsets``;
-        for Dream the slot before each), then the rest."""
-        self.nfe += 1
-        spans = self.window(block_causal)
-        self.pred_offsets = None
-        if not any(lo <= self.s and self.e <= hi for lo, hi in spans):  # delayed: part of the block
-            at = torch.cat([torch.arange(lo, hi) for lo, hi in spans])
-            self.pred_offsets = at[(at >= self.s) & (at < self.e)] - self.s
-        if shift:  # position i is predicted by the output at i - 1
-            spans = tuple((max(0, lo - 1), hi) for lo, hi in spans)
-        block = torch.arange(self.s, self.e) if self.pred_offsets is None else self.pred_offsets + self.s
-        pred = block - 1 if shift else block
-        rest = torch.cat([torch.arange(lo, hi) for lo, hi in spans])
-        if len(spans) > 1:  # Dream's shifted spans may overlap
-            rest = rest.unique()
-        if self.pred_offsets is None:
-            rest = rest[(rest < pred[0]) | (rest > pred[-1])]
-        else:
-            rest = rest[~torch.isin(rest, pred)]
-        return torch.cat((pred, rest))
-
-
-def _scatter(values: torch.Tensor, offsets: torch.Tensor, width: int, fill) -> torch.Tensor:
-    """[1, k, ...] outputs at block ``offsets`` placed into a [1, width, ...] block filled with ``fill``."""
-    out = values.new_full((1, width, *values.shape[2:]), fill)
-    out[:, offsets] = values
-    return out
 
 
 def check_request(
@@ -193,13 +102,6 @@ def check_request(
     """The engine's admission checks: a ``GenerationError`` naming the field, else ``max_tokens``
     (default ``params.gen_length``)."""
     params.validate()
-    if params.cfg_scale > 0:
-        raise GenerationError("cfg_scale: classifier-free guidance is not served by the engine (LLM.generate has it)")
-    if params.precision_schedule is not None:
-        raise GenerationError(
-            "precision_schedule: not served by the engine yet (LLM.generate has it); serve a quantised "
-            "model with --quantization instead"
-        )
     if block_size is not None and params.block_length != block_size:
         raise GenerationError(
             f"block_length {params.block_length}: this block-causal model is served with block_length "
@@ -235,11 +137,11 @@ class Engine:
     """Continuous batching over one model: ``submit`` requests, call ``step`` until idle.
 
     ``max_num_seqs`` rows run at once; ``max_num_batched_tokens`` bounds the query slots of one
-    forward at admission (a row's first forward computes its whole sequence), so a long prompt
-    waits for room instead of stalling every running row; ``max_queue`` bounds the waiting
-    requests (``QueueFull`` past it); ``max_model_len`` sizes the KV-cache pool (default: the
-    model's max length). Block-causal models (LLaDA2) compile their mask for one block size:
-    ``block_length`` (requests with another are refused)."""
+    forward at admission (a cohort's first forward computes its whole sequence), so a long
+    prompt waits for room instead of stalling every running row; ``max_queue`` bounds the
+    waiting requests (``QueueFull`` past it); ``max_model_len`` sizes the KV-cache pool
+    (default: the model's max length). Block-causal models (LLaDA2) compile their mask for one
+    block size: ``block_length`` (requests with another are refused)."""
 
     def __init__(
         self,
@@ -258,10 +160,13 @@ class Engine:
         self.max_model_len = min(max_model_len or model.spec.max_length, model.spec.max_length)
         self.block_size = (block_length or SamplingParams().block_length) if model.spec.block_causal else None
         self.mask_id, self.eos = model.mask_id, set(model.eos_ids)
-        self.cache = model.new_cache(max_num_seqs, self.max_model_len + 1)  # + a scratch slot for padding
-        self.rows: list[_Row] = []  # slot order
-        self.waiting: deque[Request] = deque()
+        # + a scratch slot that per-row padding queries write; from the model's pool, so a
+        # static batch's engine writes the buffers of the last one (device graphs bind them)
+        self.cache = model.cache_pool.acquire(max_num_seqs, self.max_model_len + 1)
+        self.cohorts: list[Cohort] = []  # row order: cohort i holds the rows after cohort i - 1's
+        self.waiting: deque[list[Request]] = deque()  # groups admitted together (one cohort each)
         self.stats = EngineStats()
+        self.forward_s: list[float] = []  # wall time of every forward run (commit_step indexes them)
         self._lock = threading.Lock()
         self._aborted: set[str] = set()
         self._ids = itertools.count()
@@ -282,13 +187,57 @@ class Engine:
         ``params.gen_length``, which must hold it). Raises ``GenerationError`` naming the field."""
         max_tokens = self.check_request(prompt, params, max_tokens)
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt), params, max_tokens, listener, return_canvas)
+        self._queue([req], Cohort(self.model, [req.prompt], params))
+        return req
+
+    def submit_batch(
+        self, prompts: list[list[int]], params: SamplingParams, *, stop: StopCheck | None = None
+    ) -> list[Request]:
+        """Queue a static batch: one cohort, its prompts left-padded into one frame, decoded in
+        lockstep block by block (``LLM.generate``). ``stop`` is asked at the end of every block
+        for each row still running; a row it stops finishes like one that produced EOS."""
+        cohort = Cohort(self.model, prompts, params)
+        if cohort.b > self.max_num_seqs:
+            raise GenerationError(f"a batch of {cohort.b} prompts exceeds max_num_seqs {self.max_num_seqs}")
+        if cohort.n > self.max_model_len:
+            raise GenerationError(f"{cohort.n} tokens exceed the engine's max model length {self.max_model_len}")
+        if params.stop and self.model.tokenizer is None:
+            raise GenerationError("stop: stop strings need the model's tokenizer (loaded without one)")
+        reqs = [Request(f"req-{next(self._ids)}", list(p), params, params.gen_length) for p in prompts]
+        if cohort.row_dependent:  # each prompt its own window
+            groups = [[i] for i in range(len(prompts))]
+        elif self.model.spec.block_causal:  # blocks align to position 0: left padding would move them
+            by_length: dict[int, list[int]] = {}
+            for i, p in enumerate(prompts):
+                by_length.setdefault(len(p), []).append(i)
+            groups = list(by_length.values())
+        else:
+            groups = [list(range(len(prompts)))]
+        if len(groups) == 1:
+            cohort.stop = stop
+            self._queue(reqs, cohort)
+            return reqs
+        for rows in groups:
+            part = Cohort(self.model, [prompts[i] for i in rows], params)
+            part.stop = None if stop is None else (lambda r, ids, rows=rows: stop(rows[r], ids))
+            self._queue([reqs[i] for i in rows], part)
+        return reqs
+
+    def _on_forward(self, wall: float) -> int:
+        self.forward_s.append(wall)
+        return len(self.forward_s) - 1
+
+    def _queue(self, group: list[Request], cohort: Cohort) -> None:
+        for row, req in enumerate(group):
+            req.cohort, req.row = cohort, row
+        cohort.requests = group
+        cohort.on_forward = self._on_forward
         with self._lock:
             if self.closed:
                 raise EngineClosed("the engine is shutting down and admits no new requests")
-            if self.max_queue is not None and len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"the wait queue is full ({len(self.waiting)} of max_queue {self.max_queue})")
-            self.waiting.append(req)
-        return req
+            if self.max_queue is not None and self.num_waiting >= self.max_queue:
+                raise QueueFull(f"the wait queue is full ({self.num_waiting} of max_queue {self.max_queue})")
+            self.waiting.append(group)
 
     def check_request(self, prompt: list[int], params: SamplingParams, max_tokens: int | None) -> int:
         """What ``submit`` refuses, without queueing (a front end over replicas checks it before
@@ -299,7 +248,7 @@ class Engine:
         )  # fmt: skip
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request (a client went away): its slot is freed at the next step."""
+        """Cancel a request (a client went away): its row stops at the next step."""
         with self._lock:
             self._aborted.add(request_id)
 
@@ -307,192 +256,219 @@ class Engine:
         """Stop admitting: ``submit`` raises ``EngineClosed``; queued requests are failed with it."""
         with self._lock:
             self.closed = True
-            queued, self.waiting = list(self.waiting), deque()
+            queued, self.waiting = [r for g in self.waiting for r in g], deque()
         for req in queued:
             self._finish(req, "abort", EngineClosed("the server shut down before this request started"))
 
+    def release(self) -> None:
+        """Hand the KV cache back to the model's pool (an engine for one static batch)."""
+        if self.cache is not None:
+            self.model.cache_pool.release(self.cache)
+            self.cache = None
+
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return sum(len(g) for g in self.waiting)
 
     @property
     def num_running(self) -> int:
-        return len(self.rows)
+        return sum(1 for c in self.cohorts for r in c.requests if not r.done)
 
     def has_work(self) -> bool:
-        return bool(self.rows or self.waiting)
+        return bool(self.cohorts or self.waiting)
 
     # ---------------------------------------------------------------- the step
     @torch.no_grad()
     def step(self) -> list[Request]:
-        """Admit, run one forward for every running row, apply each row's rule, retire finished
-        rows. Returns the requests finished in this step. An exception inside the step fails
-        only the requests of this step."""
+        """Admit, run one forward for every running cohort, apply each cohort's rule, finish
+        requests. Returns the requests finished in this step. An exception inside the step
+        fails only the requests of this step."""
         finished: list[Request] = []
         self._drop_aborted(finished)
-        windows: list[torch.Tensor] = []
-        for row in list(self.rows):  # rows that finished their last block retire now
+        for cohort in list(self.cohorts):  # cohorts past their last block end now
             try:
-                if not row.advance(self.mask_id):
-                    self._retire(row, "length", finished)
-            except GenerationError as err:
-                self._retire(row, "error", finished, err)
-        for row in self.rows:
-            windows.append(row.queries(self.model.spec.block_causal, self.model.spec.shift_logits))
-        self._admit(windows, finished)
-        if not self.rows:
+                if not cohort.prepare():
+                    self._end_cohort(cohort, "length", finished)
+            except Exception as err:
+                self._end_cohort(cohort, "error", finished, err)
+        self._admit(finished)
+        if not self.cohorts:
             return finished
         try:
-            self._forward_and_commit(windows)
+            self._forward_and_decide()
         except Exception as err:  # fail this step's requests, keep serving
-            for row in list(self.rows):
-                self._retire(row, "error", finished, err)
+            for cohort in list(self.cohorts):
+                self._end_cohort(cohort, "error", finished, err)
             return finished
-        for row in list(self.rows):
-            self._check_final(row, finished)
+        for cohort in list(self.cohorts):
+            self._check_final(cohort, finished)
         return finished
 
     def _drop_aborted(self, finished: list[Request]) -> None:
         with self._lock:
             aborted, self._aborted = self._aborted, set()
-            if aborted:
-                keep = deque(r for r in self.waiting if r.id not in aborted)
-                gone = [r for r in self.waiting if r.id in aborted]
-                self.waiting = keep
-            else:
-                gone = []
+            gone = [r for g in self.waiting for r in g if r.id in aborted]
+            if gone:
+                self.waiting = deque(g for g in self.waiting if not all(r.id in aborted for r in g))
         for req in gone:
+            if req.cohort is not None and len(req.cohort.requests) > 1:
+                req.cohort.finish_row(req.row)
             self._finish(req, "abort")
             finished.append(req)
-        for row in [r for r in self.rows if r.req.id in aborted]:
-            self._retire(row, "abort", finished)
+        for cohort in [c for c in self.cohorts if any(r.id in aborted for r in c.requests)]:
+            for req in cohort.requests:
+                if req.id in aborted and not req.done:
+                    cohort.finish_row(req.row)
+                    self._finish(req, "abort")
+                    finished.append(req)
+            if all(r.done for r in cohort.requests):
+                self._end_cohort(cohort, "abort", finished)
 
-    def _admit(self, windows: list[torch.Tensor], finished: list[Request]) -> None:
-        used = sum(len(w) for w in windows)
-        while len(self.rows) < self.max_num_seqs:
+    def _admit(self, finished: list[Request]) -> None:
+        rows = sum(c.b for c in self.cohorts)
+        used = sum(c.b * len(c.window.compute) for c in self.cohorts)
+        while True:
             with self._lock:
                 if not self.waiting:
                     return
-                req = self.waiting[0]
-                need = len(req.prompt) + req.params.gen_length  # its first forward refreshes everything
-                if self.rows and used + need > self.max_num_batched_tokens:
+                group = self.waiting[0]
+                cohort = group[0].cohort
+                need = cohort.b * cohort.n  # its first forward computes everything
+                if rows + cohort.b > self.max_num_seqs or (self.cohorts and used + need > self.max_num_batched_tokens):
                     return
                 self.waiting.popleft()
+            cohort.start_row = rows
+            self._bind_cache(cohort)
             try:
-                row = _Row(req, self.model, len(self.rows))
-                if not row.advance(self.mask_id):
+                if not cohort.prepare():
                     raise GenerationError("nothing to generate")
-                w = row.queries(self.model.spec.block_causal, self.model.spec.shift_logits)
             except Exception as err:
-                self._finish(req, "error", err)
-                finished.append(req)
+                for req in group:
+                    self._finish(req, "error", err)
+                    finished.append(req)
                 continue
-            req.status, req.admitted = "running", time.perf_counter()
-            self.rows.append(row)
-            windows.append(w)
-            used += len(w)
+            now = time.perf_counter()
+            for req in group:
+                req.status, req.admitted = "running", now
+            self.cohorts.append(cohort)
+            rows += cohort.b
+            used += cohort.b * len(cohort.window.compute)
 
-    def _forward_and_commit(self, windows: list[torch.Tensor]) -> None:
-        m, rows = self.model, self.rows
-        b = len(rows)
-        t = max(len(w) for w in windows)
-        s_len = max(r.n for r in rows) + 1
-        scratch = s_len - 1  # never a valid key: padding queries write here
-        token_index = torch.full((b, t), scratch, dtype=torch.long)
-        input_ids = torch.full((b, t), self.mask_id, dtype=torch.long)
-        positions = torch.zeros((b, t), dtype=torch.long)
-        key_valid = torch.zeros((b, s_len), dtype=torch.bool)
-        for i, (row, w) in enumerate(zip(rows, windows)):
-            token_index[i, : len(w)], input_ids[i, : len(w)], positions[i, : len(w)] = w, row.x[w], w
-            key_valid[i, : row.n] = True
-        cache = KVCache([k[:b, :s_len] for k in self.cache.k], [v[:b, :s_len] for v in self.cache.v])
-        if not m.spec.block_causal and all(r.p.cache == "none" for r in rows):
-            # every row computes its whole sequence: no cache to write, keys are the row's own queries
-            cache, key_valid = None, torch.arange(t)[None, :] < torch.tensor([len(w) for w in windows])[:, None]
-        lb = max(r.e - r.s for r in rows)
-        confidence = all(r.use_confidence for r in rows) and len({r.score for r in rows}) == 1
-        if confidence:
-            conf, token = m.forward_rows(
-                input_ids, token_index, positions, key_valid, cache,
-                select=torch.arange(min(lb, t)), score=rows[0].score, block_size=self.block_size,
-            )  # fmt: skip
-            conf, token = conf.cpu(), token.cpu()
-            logits = None
-        else:
-            logits = m.forward_rows(input_ids, token_index, positions, key_valid, cache, block_size=self.block_size)
-        st = self.stats
-        st.steps += 1
-        st.row_forwards += b
-        st.computed_tokens += b * t
-        st.padded_tokens += b * t - sum(len(w) for w in windows)
-        for i, row in enumerate(rows):
-            row.req.forwards += 1
-            L = row.e - row.s
-            block = row.x[row.s : row.e]
-            masked = (block == self.mask_id)[None]
-            quota = row.plan[:, min(row.step, row.per_block - 1)] if row.scheduled else torch.ones(1, dtype=torch.long)
-            k = L if row.pred_offsets is None else len(row.pred_offsets)  # outputs predicting the block
-            if row.use_confidence:
-                if logits is not None:
-                    c, tk = ops.confidence(logits[i : i + 1, :k].float(), banned=self.mask_id, kind=row.score)
-                    c, tk = c.cpu(), tk.cpu()
-                else:
-                    c, tk = conf[i : i + 1, :k], token[i : i + 1, :k]
-                if row.pred_offsets is not None:  # delayed: the uncomputed block slots are committed
-                    c, tk = _scatter(c, row.pred_offsets, L, 0), _scatter(tk, row.pred_offsets, L, self.mask_id)
-                x0 = torch.where(masked, tk, self.mask_id)
-                probs = torch.where(masked, c, torch.zeros((), dtype=c.dtype))
-                step_in = strategies.StepInput(None, masked, quota, 0.0, row.gen, row.state, x0=x0, conf=probs)
-            else:
-                out = logits[i : i + 1, :k].cpu().clone()
-                if row.pred_offsets is not None:
-                    out = _scatter(out, row.pred_offsets, L, 0)
-                out[..., self.mask_id] = float("-inf")
-                step_in = strategies.StepInput(out, masked, quota, row.p.temperature, row.gen, row.state)
-            x0, commit = row.rule(step_in)
-            commit &= masked
-            row.x[row.s : row.e] = torch.where(commit[0], x0[0], block)
-            if row.p.cache == "delayed":
-                row.last_commits = tuple((commit[0].nonzero().flatten() + row.s).tolist())
-            n_commit = int(commit.sum())
-            row.pending += n_commit
-            st.committed += n_commit
-            row.step += 1
+    def _bind_cache(self, cohort: Cohort) -> None:
+        """The cohort's rows of the pool, [b, n] views (the lockstep forward's cache)."""
+        a, b, n = cohort.start_row, cohort.b, cohort.n
+        cohort.cache = KVCache([k[a : a + b, :n] for k in self.cache.k], [v[a : a + b, :n] for v in self.cache.v])
 
-    # ---------------------------------------------------------------- retirement
-    def _check_final(self, row: _Row, finished: list[Request]) -> None:
-        """Publish the newly final tokens; retire on EOS, a stop string or max_tokens."""
-        req, gen = row.req, row.x[row.p_len :]
-        masked = (gen == self.mask_id).nonzero()
-        final = gen[: int(masked[0]) if len(masked) else len(gen)].tolist()
-        if req.return_canvas:
-            req.canvas = gen.tolist()
-        grew = len(final) > len(req.final_ids)
-        req.final_ids = final
-        if grew or req.return_canvas:
-            notify(req, "update")
-        if not grew:
+    def _forward_and_decide(self) -> None:
+        cohorts, st = self.cohorts, self.stats
+        # a lone cohort, or any that needs its own forward (guidance, a precision schedule): lockstep
+        if len(cohorts) == 1 or any(c.window.guided or c.schedule is not None for c in cohorts):
+            for c in cohorts:
+                commit = c.decide(c.forward(c.window))
+                st.steps += 1
+                st.lockstep_steps += 1
+                st.row_forwards += c.b
+                st.computed_tokens += c.b * len(c.window.compute)
+                self._count(c, commit)
             return
-        kept = before_eos(final, self.eos)
-        if len(kept) < len(final):
-            self._retire(row, "stop", finished)
-        elif len(final) >= req.max_tokens:
-            self._retire(row, "length", finished)
-        elif req.params.stop and first_stop(self.model.tokenizer.decode(kept), req.params.stop) >= 0:
-            self._retire(row, "stop", finished)
+        b = sum(c.b for c in cohorts)
+        uncached = not self.model.spec.block_causal and all(c.params.cache == "none" for c in cohorts)
+        s_len = max(c.n for c in cohorts) + 1
+        cache = None
+        if not uncached:
+            cache = KVCache([k[:b, :s_len] for k in self.cache.k], [v[:b, :s_len] for v in self.cache.v])
+        t0 = time.perf_counter()
+        outs, width, real = forward_rows(self.model, cohorts, cache)
+        wall = time.perf_counter() - t0
+        st.steps += 1
+        st.per_row_steps += 1
+        st.row_forwards += b
+        st.computed_tokens += b * width
+        st.padded_tokens += b * width - real
+        index = self._on_forward(wall)
+        for c, out in zip(cohorts, outs):
+            c.step_s.append(wall)
+            c.last_forward = index
+            self._count(c, c.decide(out))
 
-    def _retire(self, row: _Row, reason: str, finished: list[Request], err: BaseException | None = None) -> None:
-        """Free the row's slot (the last row moves into it) and finish its request."""
-        i, last = self.rows.index(row), len(self.rows) - 1
-        if i != last:
-            moved = self.rows[last]
-            for buf in (*self.cache.k, *self.cache.v):
-                buf[i, : moved.n].copy_(buf[last, : moved.n])
-            moved.slot = i
-            self.rows[i] = moved
-        self.rows.pop()
-        self._finish(row.req, reason, err)
-        finished.append(row.req)
+    def _count(self, cohort: Cohort, commit: torch.Tensor) -> None:
+        self.stats.committed += int(commit.sum()) if commit.device.type == "cpu" else 0
+        for req in cohort.requests:
+            if not req.done:
+                req.forwards += 1
+
+    # ---------------------------------------------------------------- finishing
+    def _check_final(self, cohort: Cohort, finished: list[Request]) -> None:
+        """Publish each request's newly final tokens; finish it on EOS (with ``early_stop``), a
+        stop string or max_tokens; end the cohort when none of its requests runs."""
+        if cohort.step % cohort.params.sync_every:
+            return  # read on the host where the cohort syncs: every sync_every steps
+        gen = cohort.generated().cpu()
+        for req in cohort.requests:
+            if req.done:
+                continue
+            row = gen[req.row]
+            masked = (row == self.mask_id).nonzero()
+            final = row[: int(masked[0]) if len(masked) else len(row)].tolist()
+            if req.return_canvas:
+                req.canvas = row.tolist()
+            grew = len(final) > len(req.final_ids)
+            req.final_ids = final
+            if grew or req.return_canvas:
+                notify(req, "update")
+            if not grew:
+                continue
+            kept = before_eos(final, self.eos)
+            eos = len(kept) < min(len(final), req.max_tokens)  # an EOS within the output
+            reason = None
+            if eos and (req.params.early_stop or len(final) >= req.max_tokens):
+                reason = "stop"
+            elif len(final) >= req.max_tokens:
+                reason = "length"
+            elif req.params.stop and first_stop(self.model.tokenizer.decode(kept), req.params.stop) >= 0:
+                reason = "stop"
+            if reason is not None:
+                cohort.finish_row(req.row)
+                self._finish(req, reason)
+                finished.append(req)
+        if all(r.done for r in cohort.requests):
+            self._end_cohort(cohort, "length", finished)
+
+    def _end_cohort(
+        self, cohort: Cohort, reason: str, finished: list[Request], err: BaseException | None = None
+    ) -> None:
+        """Finish the cohort's running requests and free its rows (later cohorts move in)."""
+        gen = cohort.generated().cpu()
+        for req in cohort.requests:
+            if req.done:
+                continue
+            if err is None:
+                req.final_ids = before_eos(gen[req.row].tolist(), [self.mask_id])  # the final prefix
+            kept = before_eos(req.final_ids, self.eos)
+            stopped = reason == "length" and len(kept) < min(len(req.final_ids), req.max_tokens)
+            self._finish(req, "stop" if stopped else reason, err)
+            finished.append(req)
+        if cohort not in self.cohorts:
+            return
+        i = self.cohorts.index(cohort)
+        self.cohorts.pop(i)
+        last = self.cohorts[-1] if self.cohorts else None
+        if last is not None and i < len(self.cohorts) and last.b == cohort.b:
+            self.cohorts.pop()  # the last cohort of the same size takes the freed rows
+            self.cohorts.insert(i, last)
+        self._pack()
+
+    def _pack(self) -> None:
+        """Move cohorts whose rows changed (their K/V copied; rows are only ever moved down)."""
+        row = 0
+        for c in self.cohorts:
+            if c.start_row != row:
+                a, b, n = c.start_row, c.b, c.n
+                for buf in (*self.cache.k, *self.cache.v):
+                    buf[row : row + b, :n].copy_(buf[a : a + b, :n].clone() if a < row + b else buf[a : a + b, :n])
+                c.start_row = row
+                self._bind_cache(c)
+            row += c.b
 
     def _finish(self, req: Request, reason: str, err: BaseException | None = None) -> None:
         ids = before_eos(req.final_ids, self.eos)[: req.max_tokens]
@@ -518,10 +494,44 @@ class Engine:
             if max_steps is not None and steps >= max_steps:
                 return
 
-    def generate(
-        self, prompts: list[list[int]], params: SamplingParams, max_tokens: int | None = None
-    ) -> list[Request]:
-        """Submit every prompt and step until all are finished (in-process continuous batching)."""
-        reqs = [self.submit(p, params, max_tokens=max_tokens) for p in prompts]
-        self.run_until_idle()
-        return reqs
+
+def run_batch(
+    model: Model, prompts: list[list[int]], params: SamplingParams, stop: StopCheck | None = None
+) -> BatchResult:
+    """Decode a static batch through the engine (one cohort, lockstep): what ``LLM.generate``,
+    the validation runner and the benchmarks run. The first error of a request is raised."""
+    params.validate()
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise GenerationError("every prompt must have at least one token")
+    n = min(max(len(p) for p in prompts) + params.gen_length, model.spec.max_length)
+    block = params.block_length if model.spec.block_causal else None
+    engine = Engine(model, max_num_seqs=len(prompts), max_num_batched_tokens=2**62, max_model_len=n, block_length=block)
+    try:
+        reqs = engine.submit_batch(prompts, params, stop=stop)
+        start = time.perf_counter()
+        engine.run_until_idle()
+        wall = time.perf_counter() - start
+    finally:
+        engine.release()
+    for req in reqs:
+        if req.error is not None:
+            raise req.error
+    cohorts = list(dict.fromkeys(r.cohort for r in reqs))  # one, or several (see submit_batch)
+    precision: dict[str, int] = {}
+    for c in cohorts:
+        for name, count in c.precision_forwards.items():
+            precision[name] = precision.get(name, 0) + count
+
+    def rows(field) -> torch.Tensor:  # the prompts' rows in their order
+        return torch.stack([field(r.cohort)[r.row].cpu() for r in reqs])
+
+    return BatchResult(
+        rows(Cohort.generated),
+        rows(lambda c: c.committed),
+        len(engine.forward_s),
+        wall,
+        engine.forward_s,
+        rows(lambda c: c.commit_step),
+        precision,
+        reqs,
+    )

@@ -8,12 +8,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dinfer_rt.engine import run_batch
 from dinfer_rt.errors import GenerationError
-from dinfer_rt.generate import generate_batch
 from dinfer_rt.loader import load_model
 from dinfer_rt.model import Model
 from dinfer_rt.sampling import SamplingParams
-from dinfer_rt.stopping import before_eos, cut_at_stop
 
 
 @dataclass
@@ -80,7 +79,7 @@ class LLM:
         if self.model is None:
             raise GenerationError("a tensor-parallel LLM holds no tokenizer here: pass prompts to generate")
         if isinstance(prompt, list):
-            return prompt  # ids: checked against the vocabulary by generate_batch
+            return prompt  # ids: checked against the vocabulary by the engine
         if not isinstance(prompt, str):
             raise GenerationError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         tok = self.model.tokenizer
@@ -105,40 +104,22 @@ class LLM:
             p = dict(self.parallel)
             return generate_parallel(p.pop("path"), prompts, params, **p)
         encoded = [self.encode(p, params.chat) for p in prompts]
-        eos = set(self.model.eos_ids)
-        tok = self.model.tokenizer
-        if params.stop and tok is None:
+        if params.stop and self.model.tokenizer is None:
             raise GenerationError("stop strings need the model's tokenizer (loaded without one)")
         outputs: list[GenerationOutput] = []
         with tqdm(total=len(encoded), desc="generate", disable=not progress, unit="prompt") as bar:
             for i in range(0, len(encoded), params.batch_size):
                 chunk = encoded[i : i + params.batch_size]
-                res = generate_batch(self.model, chunk, params, stop=self._stop_check(params.stop, eos))
-                for r, ids in enumerate(res.tokens.tolist()):
-                    cut = next((j for j, t in enumerate(ids) if t in eos), len(ids))
-                    text = tok.decode(ids[:cut]) if tok else ""
-                    if params.stop:
-                        cut, text = cut_at_stop(tok.decode, ids[:cut], text, params.stop)
+                res = run_batch(self.model, chunk, params)  # one cohort of the engine
+                for r, req in enumerate(res.requests):
                     toks = int(res.committed[r])
                     tps = toks / res.wall_s if res.wall_s > 0 else 0.0
                     stats = GenerationStats(
                         res.nfe, toks, toks / max(res.nfe, 1), res.wall_s, tps, res.precision_forwards
                     )
-                    outputs.append(GenerationOutput(prompts[i + r], text, ids[:cut], stats))
+                    outputs.append(GenerationOutput(prompts[i + r], req.text, req.output_ids, stats))
                 bar.update(len(chunk))
         return outputs
-
-    def _stop_check(self, stop: tuple[str, ...], eos: set[int]):
-        """The scheduler's per-block question: does this row's final text contain a stop string?"""
-        if not stop:
-            return None
-        decode = self.model.tokenizer.decode
-
-        def check(_row: int, ids: list[int]) -> bool:
-            text = decode(before_eos(ids, eos))
-            return any(s in text for s in stop)
-
-        return check
 
 
 # ---------------------------------------------------------------- on worker ranks (module level: spawnable)

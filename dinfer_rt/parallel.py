@@ -14,7 +14,8 @@ import gc
 import io
 import os
 import queue
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -32,11 +33,17 @@ class ParallelError(DinferError):
     """A worker rank failed, died or hung: the message names the rank."""
 
 
+RENDEZVOUS_ENV = "DINFER_RENDEZVOUS"
+"""A ``file://`` rendezvous ``launch`` gives its ranks (no port to pick: a port found free and
+released before the ranks bind it could be taken meanwhile by a concurrent run)."""
+
+
 def init_group(backend_name: str | None, rank: int, world: int, tp_size: int | None = None) -> None:
-    """Join the default process group (env:// rendezvous: MASTER_ADDR / MASTER_PORT) with the
-    backend's collective library, bind this rank to its device (``LOCAL_RANK``, else ``rank``,
-    among the visible ones: ``CUDA_VISIBLE_DEVICES`` / ``HIP_VISIBLE_DEVICES`` /
-    ``ASCEND_RT_VISIBLE_DEVICES``), and make the group the one the IR's collectives use."""
+    """Join the default process group (``launch``'s file rendezvous, else env:// : MASTER_ADDR /
+    MASTER_PORT, as torchrun sets them) with the backend's collective library, bind this rank to
+    its device (``LOCAL_RANK``, else ``rank``, among the visible ones: ``CUDA_VISIBLE_DEVICES`` /
+    ``HIP_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES``), and make the group the one the IR's
+    collectives use."""
     import torch.distributed as dist
 
     from dinfer_rt.plugins import select_backend
@@ -46,7 +53,7 @@ def init_group(backend_name: str | None, rank: int, world: int, tp_size: int | N
     library = (backend.capabilities().collectives or "gloo").split()[0]
     bind_device(backend, int(os.environ.get("LOCAL_RANK", rank)))
     if not dist.is_initialized():
-        dist.init_process_group(library, rank=rank, world_size=world)
+        dist.init_process_group(library, rank=rank, world_size=world, init_method=os.environ.get(RENDEZVOUS_ENV))
         atexit.register(leave_group, wait=False)
     tp = tp_size or world
     if tp == world:
@@ -113,14 +120,8 @@ def check_devices(backend, ranks_here: int) -> None:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, backend, fn, args, results, tp_size) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _worker(rank, world, rendezvous, backend, fn, args, results, tp_size) -> None:
+    os.environ.update({RENDEZVOUS_ENV: rendezvous, "RANK": str(rank), "WORLD_SIZE": str(world)})
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         init_group(backend, rank, world, tp_size)
@@ -161,9 +162,10 @@ def launch(
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    store = tempfile.mkdtemp(prefix="dinfer-rendezvous-")
+    rendezvous = "file://" + os.path.join(store, "store")  # a fresh file: torch's FileStore needs one
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, results, tp_size), daemon=True)
+        ctx.Process(target=_worker, args=(r, world, rendezvous, backend, fn, args, results, tp_size), daemon=True)
         for r in range(world)
     ]
     for p in procs:
@@ -191,6 +193,7 @@ def launch(
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
+        shutil.rmtree(store, ignore_errors=True)
     if all_ranks:
         return [torch.load(io.BytesIO(got[r]), weights_only=False) for r in range(world)]
     return torch.load(io.BytesIO(got[0]), weights_only=False)

@@ -11,7 +11,7 @@ import torch
 import dinfer_rt
 from dinfer_rt.demo import task
 from dinfer_rt.demo.train import BOS_ID, VOCAB
-from dinfer_rt.generate import generate_batch
+from dinfer_rt.engine import run_batch
 from dinfer_rt.loader import EMBEDDED_MODEL
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -25,7 +25,7 @@ def test_dual_cache_threshold_matches_the_plain_torch_baseline():
     params = dinfer_rt.SamplingParams(
         strategy="threshold", threshold=0.9, cache="dual", block_length=8, early_stop=False
     )
-    ours = generate_batch(llm.model, [llm.encode(it.letters, True) for it in items], params)
+    ours = run_batch(llm.model, [llm.encode(it.letters, True) for it in items], params)
     prompt = torch.tensor([[BOS_ID] + [VOCAB[c] for c in it.prompt] for it in items])
     theirs, nfe = generate(PlainLLaDA(EMBEDDED_MODEL), prompt, 40, 8, 0.9)
     assert torch.equal(ours.tokens, theirs)

@@ -11,7 +11,7 @@ import dinfer_rt
 from dinfer_rt import envs
 from dinfer_rt.backends.cpu import native
 from dinfer_rt.backends.cpu.kernels import AttentionKernels, NativeRowKernels, add_rms_norm, rms_norm
-from dinfer_rt.generate import generate_batch
+from dinfer_rt.engine import run_batch
 from dinfer_rt.ir import ops
 from dinfer_rt.loader import EMBEDDED_MODEL
 from dinfer_rt.sampling import SamplingParams
@@ -219,8 +219,8 @@ def test_embedded_model_decodes_the_same_tokens_with_and_without_native_kernels(
     torch.testing.assert_close(on.forward(ids), off.forward(ids), rtol=1e-4, atol=1e-4)
     for cache in ("none", "dual", "adaptive"):
         params = SamplingParams(gen_length=16, block_length=8, strategy="threshold", threshold=0.9, cache=cache)
-        a = generate_batch(on, prompts, params)
-        b = generate_batch(off, prompts, params)
+        a = run_batch(on, prompts, params)
+        b = run_batch(off, prompts, params)
         assert torch.equal(a.tokens, b.tokens), cache
 
 
@@ -277,10 +277,10 @@ def test_generation_with_the_native_commit_equals_the_host_rules(monkeypatch):
     prompts = [[1, 5, 9, 12, 7, 3], [1, 8, 4, 6, 11, 10, 2, 13]]
     for strategy in ("threshold", "low_confidence"):
         params = SamplingParams(gen_length=16, block_length=8, strategy=strategy, threshold=0.9, cache="anchored")
-        native_commit = generate_batch(model, prompts, params)
+        native_commit = run_batch(model, prompts, params)
         with monkeypatch.context() as m:
             m.setattr(CpuBackend, "commit_kernel", lambda self: None)
-            host = generate_batch(model, prompts, params)
+            host = run_batch(model, prompts, params)
         assert torch.equal(native_commit.tokens, host.tokens), strategy
         assert torch.equal(native_commit.commit_step, host.commit_step), strategy
 

@@ -525,7 +525,7 @@ def test_graphed_cached_decoding_captures_once_for_many_prompts(cuda, ckpt_dir, 
     buffers (addresses) and capture nothing new (on the H200 a fresh cache per prompt made cached
     decoding with graphs 3-6x slower than uncached). Tokens equal the eager cpu backend's."""
     from dinfer_rt.backends.triton.graphs import GraphedExecutable
-    from dinfer_rt.generate import generate_batch
+    from dinfer_rt.engine import run_batch
     from dinfer_rt.sampling import SamplingParams
 
     path = ckpt_dir("llada")
@@ -536,13 +536,13 @@ def test_graphed_cached_decoding_captures_once_for_many_prompts(cuda, ckpt_dir, 
     model.cache_pool.keep = 2  # what a backend whose replays_graphs() is true gets at load
     params = SamplingParams(strategy="threshold", cache="dual", gen_length=8, block_length=4, early_stop=False)
     prompts = [[5, 6, 7], [9, 8, 7], [11, 12, 13]]
-    outs = [generate_batch(model, [p], params).tokens for p in prompts[:1]]
+    outs = [run_batch(model, [p], params).tokens for p in prompts[:1]]
     after_first = api.captured
-    outs += [generate_batch(model, [p], params).tokens for p in prompts[1:]]
+    outs += [run_batch(model, [p], params).tokens for p in prompts[1:]]
     assert after_first >= 2 and api.captured == after_first  # refresh + block step, captured once
     reference = dinfer_rt.load_model(path, backend="cpu")
     for p, got in zip(prompts, outs):
-        assert torch.equal(got, generate_batch(reference, [p], params).tokens)
+        assert torch.equal(got, run_batch(reference, [p], params).tokens)
 
 
 @pytest.mark.parametrize("strategy", ["threshold", "low_confidence"])

@@ -166,7 +166,6 @@ def test_bad_requests_are_refused_at_submit(embedded, ckpt_dir):
     ok = embedded.encode("abcdefghij", True)
     cases = [
         (ok, SamplingParams(threshold=2.0), {}, "threshold 2.0 must be in"),
-        (ok, SamplingParams(cfg_scale=1.0), {}, "cfg_scale"),
         ([], SamplingParams(), {}, "prompt: at least one token"),
         ([99], SamplingParams(), {}, "token 0 is 99"),
         (ok, SamplingParams(gen_length=56, block_length=8), {}, "exceeds the max model length 64"),
@@ -206,3 +205,106 @@ def test_a_failing_listener_is_detached_and_the_engine_goes_on(embedded):
     engine.run_until_idle()
     assert req.finish_reason == "stop" and req.listener is None
     assert req.output_ids == embedded.generate([prompt], params)[0].token_ids
+
+
+# ---------------------------------------------------------------- one engine: invariance and paths
+
+RULES = [
+    dict(strategy="low_confidence", steps=6),
+    dict(strategy="threshold", threshold=0.3),
+    dict(strategy="factor", factor=2.0),
+    dict(strategy="hierarchical", threshold=0.5, low_threshold=0.2),
+    dict(strategy="credit", threshold=0.3),
+    dict(strategy="maskgit_plus", steps=6),
+    dict(strategy="topk_margin", steps=6),
+    dict(strategy="entropy", steps=6, confidence_head=False),
+    dict(strategy="random", steps=6),  # its remasking draws follow the cohort's generator
+]
+CACHES = ["none", "prefix", "dual", "vicinity", "adaptive", "anchored", "delayed"]
+
+
+@pytest.mark.parametrize("name", ["llada", "dream", "llada_moe", "llada2"])
+def test_every_rule_and_cache_decodes_the_same_alone_batched_and_served(ckpt_dir, name):
+    """Batch invariance: a prompt's greedy tokens alone equal them in a static batch of mixed
+    lengths (one lockstep cohort, or one per window shape: ``Engine.submit_batch``) and served
+    beside other requests arriving mid-stream (per-row windows), for every rule x cache policy;
+    the random rule's draws are per cohort, so it is checked alone vs served only."""
+    llm = LLM(ckpt_dir(name), backend="cpu")
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(6, 60, (n,), generator=g).tolist() for n in (3, 7, 5)]
+    # every pair on LLaDA; on the other families each rule and each cache at least once (CI time)
+    pairs = (
+        [(r, c) for r in RULES for c in CACHES]
+        if name == "llada"
+        else [(rule, CACHES[(i * 3) % len(CACHES)]) for i, rule in enumerate(RULES)] + [(RULES[1], c) for c in CACHES]
+    )
+    for rule, cache in pairs:
+        params = SamplingParams(gen_length=8, block_length=4, cache=cache, early_stop=False, **rule)
+        alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+        if rule["strategy"] != "random":
+            batched = [o.token_ids for o in llm.generate(prompts, params)]
+            assert batched == alone, (name, rule, cache, "static batch")
+        engine = Engine(llm.model, max_num_seqs=3, block_length=4)
+        reqs = [engine.submit(prompts[0], params)]
+        engine.step()  # the others arrive while the first is mid-block
+        reqs += [engine.submit(p, params) for p in prompts[1:]]
+        engine.run_until_idle()
+        assert [r.output_ids for r in reqs] == alone, (name, rule, cache, "served")
+        assert engine.stats.per_row_steps > 0  # rows at different blocks shared forwards
+
+
+def test_guidance_and_precision_schedules_are_served_and_equal_their_lone_generation(embedded):
+    """CFG and precision schedules run in the one engine: beside other requests a request with
+    either decodes as LLM.generate does it alone (such a cohort takes its own lockstep forward)."""
+    prompts = [embedded.encode(it.letters, True) for it in task.heldout(3)]
+    plain = SamplingParams(strategy="threshold", block_length=8, cache="dual")
+    special = [
+        SamplingParams(strategy="low_confidence", block_length=8, cfg_scale=1.0),
+        SamplingParams(strategy="threshold", block_length=8, cache="dual", precision_schedule="int8@0.5,fp32"),
+    ]
+    for params in special:
+        engine = Engine(embedded.model, max_num_seqs=3)
+        other = engine.submit(prompts[0], plain)
+        engine.step()
+        req = engine.submit(prompts[1], params)
+        engine.run_until_idle()
+        assert req.finish_reason == "stop" and req.output_ids == embedded.generate([prompts[1]], params)[0].token_ids
+        assert other.output_ids == embedded.generate([prompts[0]], plain)[0].token_ids
+        assert engine.stats.lockstep_steps == engine.stats.steps  # each cohort its own forward
+
+
+def test_a_static_batch_runs_lockstep_and_mixed_blocks_run_per_row(embedded):
+    """The lockstep fast path is taken for one cohort (a static batch: one compute window per
+    step, no padding) and the per-row path for cohorts at different blocks; same tokens."""
+    prompts = [embedded.encode(it.letters, True) for it in task.heldout(4)]
+    params = SamplingParams(strategy="threshold", block_length=8, cache="dual")
+    engine = Engine(embedded.model, max_num_seqs=4)
+    batch = engine.submit_batch(prompts, params)
+    engine.run_until_idle()
+    st = engine.stats
+    assert st.steps == st.lockstep_steps > 0 and st.per_row_steps == 0 and st.padded_tokens == 0
+    engine = Engine(embedded.model, max_num_seqs=4)
+    served = [engine.submit(prompts[0], params)]
+    engine.step()
+    served += [engine.submit(p, params) for p in prompts[1:]]
+    engine.run_until_idle()
+    assert engine.stats.per_row_steps > 0
+    assert [r.output_ids for r in served] == [r.output_ids for r in batch]
+
+
+def test_the_confidence_head_choice_is_one_rule_for_every_path():
+    from dinfer_rt.decode import uses_confidence_head
+
+    assert uses_confidence_head(SamplingParams(strategy="threshold"))
+    assert not uses_confidence_head(SamplingParams(strategy="threshold", temperature=0.5))
+    assert not uses_confidence_head(SamplingParams(strategy="threshold", cfg_scale=1.0))
+    assert not uses_confidence_head(SamplingParams(strategy="credit"))
+    assert not uses_confidence_head(SamplingParams(strategy="threshold", confidence_head=False))
+
+
+def test_a_static_batch_larger_than_the_engine_or_its_length_is_refused(embedded):
+    engine = Engine(embedded.model, max_num_seqs=2, max_model_len=30)
+    with pytest.raises(GenerationError, match="a batch of 3 prompts exceeds max_num_seqs 2"):
+        engine.submit_batch([[7, 8]] * 3, SamplingParams())
+    with pytest.raises(GenerationError, match="42 tokens exceed the engine's max model length 30"):
+        engine.submit_batch([[7, 8]], SamplingParams())

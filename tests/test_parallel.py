@@ -43,6 +43,8 @@ def test_sharded_logits_equal_one_process(ckpt_dir, gqa_one_kv_head, name, world
 
 
 def _bytes_worker(rank, world, path, expert_parallel=False):
+    # launch's ranks meet through a file, not a port picked (and released) before they bind it
+    assert "MASTER_PORT" not in os.environ and os.environ[parallel.RENDEZVOUS_ENV].startswith("file://")
     m = parallel.load_sharded(path, rank, world, expert_parallel=expert_parallel)
     return m.bytes_read, sum(w.numel() * w.element_size() for k, w in m.weights.items() if "|" not in k)
 
@@ -123,12 +125,12 @@ def test_generate_under_torchrun_and_with_spawned_workers_print_the_one_process_
 
 
 _LEAVE_SCRIPT = """
-import os, torch, torch.distributed as dist
+import os, tempfile, torch, torch.distributed as dist
 from dinfer_rt import parallel
 from dinfer_rt.ir import ops
 threads = lambda: len(os.listdir("/proc/self/task"))
 before = threads()
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(parallel._free_port()))
+os.environ[parallel.RENDEZVOUS_ENV] = "file://" + os.path.join(tempfile.mkdtemp(), "store")
 parallel.init_group("cpu", 0, 1)
 dist.all_reduce(torch.ones(3), group=ops.COLLECTIVE_GROUPS["tp"])
 joined = threads()

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dinfer_rt import plugins, quant
+from dinfer_rt.engine import run_batch
 from dinfer_rt.errors import BackendError, CheckpointError, ConfigError, DinferError, GenerationError
-from dinfer_rt.generate import generate_batch
 from dinfer_rt.ir import ops
 from dinfer_rt.llm import LLM
 from dinfer_rt.loader import load_model
@@ -325,16 +325,16 @@ def test_schedule_alternates_executables_and_full_precision_finishes_every_block
     )
     calls = _counting(embedded, monkeypatch)
     log = []
-    from dinfer_rt import generate as gen_mod
+    from dinfer_rt.decode import Cohort
 
-    real_call = gen_mod._Forwarder.__call__
+    real_call = Cohort.forward
 
-    def logged(self, x, s, e, step, precision=None):
-        log.append(precision)
-        return real_call(self, x, s, e, step, precision)
+    def logged(self, window):
+        log.append(window.precision)
+        return real_call(self, window)
 
-    monkeypatch.setattr(gen_mod._Forwarder, "__call__", logged)
-    res = generate_batch(embedded, prompts, params)
+    monkeypatch.setattr(Cohort, "forward", logged)
+    res = run_batch(embedded, prompts, params)
     assert calls.get("int8", 0) > 0 and calls.get("full", 0) > 0  # both executables really ran
     assert res.precision_forwards == {"int8": log.count("int8"), "fp32": log.count(None)}
     assert not (res.tokens == embedded.mask_id).any()
@@ -349,26 +349,24 @@ def test_step_form_runs_each_blocks_first_forward_in_low_precision(embedded):
     params = SamplingParams(
         strategy="threshold", gen_length=24, block_length=8, early_stop=False, precision_schedule="int8:1,full"
     )
-    res = generate_batch(embedded, [[7, 8, 9, 10, 11]], params)
+    res = run_batch(embedded, [[7, 8, 9, 10, 11]], params)
     assert res.precision_forwards["int8"] == 3 and res.precision_forwards["full"] == res.nfe - 3
 
 
 def test_precision_refresh_recomputes_the_cache_after_low_precision(embedded):
     prompts = [[7, 8, 9, 10, 11]]
     p = dict(strategy="threshold", gen_length=16, block_length=8, cache="dual", precision_schedule="int8@0.5,fp32")
-    a = generate_batch(embedded, prompts, SamplingParams(**p))
-    b = generate_batch(embedded, prompts, SamplingParams(**p, precision_refresh=True))
+    a = run_batch(embedded, prompts, SamplingParams(**p))
+    b = run_batch(embedded, prompts, SamplingParams(**p, precision_refresh=True))
     assert not (a.tokens == embedded.mask_id).any() and not (b.tokens == embedded.mask_id).any()
 
 
 def test_schedule_model_mismatches_are_one_line_errors(embedded, ckpt_dir):
     with pytest.raises(GenerationError, match="last stage 'bf16' is not the model's dtype"):
-        generate_batch(
-            embedded, [[7, 8]], SamplingParams(gen_length=8, block_length=8, precision_schedule="int8@0.5,bf16")
-        )
+        run_batch(embedded, [[7, 8]], SamplingParams(gen_length=8, block_length=8, precision_schedule="int8@0.5,bf16"))
     q = load_model(ckpt_dir("llada"), quantization="int8")
     with pytest.raises(GenerationError, match="holds int8 weights only"):
-        generate_batch(q, [[7, 8]], SamplingParams(gen_length=8, block_length=8, precision_schedule="fp8@0.5,full"))
+        run_batch(q, [[7, 8]], SamplingParams(gen_length=8, block_length=8, precision_schedule="fp8@0.5,full"))
     with pytest.raises(ConfigError, match="unknown weight format 'int4'"):
         load_model(ckpt_dir("llada"), quantization="int4")
 

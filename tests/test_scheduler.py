@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 import dinfer_rt
 from dinfer_rt import strategies
+from dinfer_rt.engine import run_batch
 from dinfer_rt.errors import GenerationError
-from dinfer_rt.generate import generate_batch
 from dinfer_rt.sampling import STRATEGIES, SamplingParams
 
 
@@ -62,7 +62,7 @@ def reference_llada_generate(model, prompts, gen_length, block_length, steps, cf
 def test_one_token_per_step_equals_reference_llada_generate(ckpt_dir, batch):
     model = dinfer_rt.load_model(ckpt_dir("llada"))
     params = SamplingParams(gen_length=12, block_length=4, strategy="low_confidence", early_stop=False)
-    got = generate_batch(model, batch, params)
+    got = run_batch(model, batch, params)
     want = reference_llada_generate(model, batch, 12, 4, 12)
     assert torch.equal(got.tokens, want)
     assert got.nfe == 12
@@ -72,7 +72,7 @@ def test_classifier_free_guidance_equals_reference(ckpt_dir):
     model = dinfer_rt.load_model(ckpt_dir("llada"))
     prompts = [[7, 8, 9, 10], [11, 12]]
     params = SamplingParams(gen_length=8, block_length=4, cfg_scale=1.5, early_stop=False)
-    got = generate_batch(model, prompts, params)
+    got = run_batch(model, prompts, params)
     assert torch.equal(got.tokens, reference_llada_generate(model, prompts, 8, 4, 8, cfg_scale=1.5))
     assert not torch.equal(got.tokens, reference_llada_generate(model, prompts, 8, 4, 8))
 
@@ -82,9 +82,9 @@ def test_batched_greedy_equals_each_prompt_alone(ckpt_dir):
     prompts = [[7, 8, 9, 10], [11, 12], [13, 14, 15, 16, 17, 18]]
     for strategy in ("low_confidence", "threshold"):
         params = SamplingParams(gen_length=8, block_length=4, strategy=strategy, threshold=0.3, early_stop=False)
-        together = generate_batch(model, prompts, params).tokens
+        together = run_batch(model, prompts, params).tokens
         for r, p in enumerate(prompts):
-            alone = generate_batch(model, [p], params).tokens
+            alone = run_batch(model, [p], params).tokens
             assert torch.equal(together[r], alone[0]), (strategy, r)
 
 
@@ -101,7 +101,7 @@ def test_every_family_and_cache_policy_decodes_to_completion(ckpt_dir, name, cac
         early_stop=False,
         vicinity_warmup=1,
     )
-    res = generate_batch(model, [[7, 8, 9], [10, 11]], params)
+    res = run_batch(model, [[7, 8, 9], [10, 11]], params)
     assert not (res.tokens == model.mask_id).any()
     assert 2 <= res.nfe <= 8
     assert res.committed.tolist() == [8, 8]
@@ -115,9 +115,9 @@ def test_caches_are_exact_on_a_block_causal_model(ckpt_dir, cache):
     model = dinfer_rt.load_model(ckpt_dir("llada2"))
     base = SamplingParams(gen_length=8, block_length=4, strategy="low_confidence", early_stop=False)
     prompts = [[7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17]]  # blocks aligned to 0: the first holds the prompt tail
-    plain = generate_batch(model, prompts, base)
+    plain = run_batch(model, prompts, base)
     base.cache = cache
-    cached = generate_batch(model, prompts, base)
+    cached = run_batch(model, prompts, base)
     assert torch.equal(plain.tokens, cached.tokens)
     assert not (plain.tokens == model.mask_id).any()
     assert plain.nfe == cached.nfe
@@ -126,9 +126,9 @@ def test_caches_are_exact_on_a_block_causal_model(ckpt_dir, cache):
 def test_sync_every_counts_wasted_forwards(ckpt_dir):
     model = dinfer_rt.load_model(ckpt_dir("llada"))
     p = SamplingParams(gen_length=8, block_length=8, strategy="threshold", threshold=0.01, early_stop=False)
-    once = generate_batch(model, [[7, 8]], p)
+    once = run_batch(model, [[7, 8]], p)
     p.sync_every = 4
-    unrolled = generate_batch(model, [[7, 8]], p)
+    unrolled = run_batch(model, [[7, 8]], p)
     assert torch.equal(once.tokens, unrolled.tokens)
     assert unrolled.nfe >= once.nfe and unrolled.nfe % 4 == 0
 
@@ -226,8 +226,8 @@ def test_confidence_head_equals_the_logits_path(ckpt_dir, name, strategy, cache)
     kw = dict(
         gen_length=8, block_length=4, strategy=strategy, threshold=0.3, cache=cache, early_stop=False, vicinity_warmup=1
     )
-    fused = generate_batch(model, [[7, 8, 9], [10, 11]], SamplingParams(**kw))
-    plain = generate_batch(model, [[7, 8, 9], [10, 11]], SamplingParams(confidence_head=False, **kw))
+    fused = run_batch(model, [[7, 8, 9], [10, 11]], SamplingParams(**kw))
+    plain = run_batch(model, [[7, 8, 9], [10, 11]], SamplingParams(confidence_head=False, **kw))
     assert torch.equal(fused.tokens, plain.tokens) and fused.nfe == plain.nfe
     graph = model.executable(cache != "none", 4, head="confidence").graph
     assert graph.op_counts().get("lm_head_confidence") == 1
@@ -265,12 +265,12 @@ def test_generate_returns_its_cache_to_the_pool_even_on_error(ckpt_dir):
     model = dinfer_rt.load_model(ckpt_dir("llada"), backend="cpu")
     model.cache_pool.keep = 2  # as a backend that replays graphs sets it
     params = SamplingParams(strategy="threshold", cache="dual", gen_length=8, block_length=4)
-    generate_batch(model, [[5, 6, 7]], params)
+    run_batch(model, [[5, 6, 7]], params)
     (cache,) = model.cache_pool.idle
 
     def boom(row, tokens):
         raise RuntimeError("stop check failed")
 
     with pytest.raises(RuntimeError, match="stop check failed"):
-        generate_batch(model, [[5, 6, 7]], params, stop=boom)
+        run_batch(model, [[5, 6, 7]], params, stop=boom)
     assert len(model.cache_pool.idle) == 1 and model.cache_pool.idle[0] is cache  # lent, and back again

@@ -14,9 +14,9 @@ import dinfer_rt
 from dinfer_rt import plugins
 from dinfer_rt.backends.cpu.kernels import AttentionKernels
 from dinfer_rt.demo import task
+from dinfer_rt.engine import run_batch
 from dinfer_rt.errors import DinferError
 from dinfer_rt.executor import Executable
-from dinfer_rt.generate import generate_batch
 from dinfer_rt.ir import ops
 from dinfer_rt.sampling import SamplingParams
 
@@ -180,7 +180,7 @@ def test_cpu_fast_kernels_equal_the_reference_in_float64():
 
 def _decode(model, prompts, **kw):
     params = SamplingParams(gen_length=8, block_length=4, strategy="threshold", threshold=0.5, early_stop=False, **kw)
-    return generate_batch(model, prompts, params)
+    return run_batch(model, prompts, params)
 
 
 @pytest.mark.parametrize("cache", ["adaptive", "anchored", "delayed"])
@@ -277,7 +277,7 @@ def test_refreshing_caches_keep_the_scheduler_invariants(ckpt_dir, cache, bound,
         refresh_window=window,
         early_stop=False,
     )
-    res = generate_batch(model, [[7, 8, 9], [10, 11]], params)
+    res = run_batch(model, [[7, 8, 9], [10, 11]], params)
     assert not (res.tokens == model.mask_id).any()  # every slot committed
     assert res.committed.tolist() == [8, 8]  # each exactly once
     assert (res.commit_step >= 0).all() and (res.commit_step < res.nfe).all()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dinfer_rt import strategies
-from dinfer_rt.generate import generate_batch
+from dinfer_rt.engine import run_batch
 from dinfer_rt.model import Model
 from dinfer_rt.sampling import SamplingParams
 
@@ -136,7 +136,7 @@ def decisions(test: Model, ref: Model, prompts, gen: int, threshold: float = 0.9
 
 
 def free_running(test: Model, ref: Model, prompts, params: SamplingParams) -> dict:
-    a, b = generate_batch(test, prompts, params), generate_batch(ref, prompts, params)
+    a, b = run_batch(test, prompts, params), run_batch(ref, prompts, params)
     same = (a.tokens == b.tokens).all(-1)
     first = None
     diff = (a.tokens != b.tokens).nonzero().tolist()

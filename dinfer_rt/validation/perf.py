@@ -6,18 +6,18 @@ from __future__ import annotations
 import resource
 import statistics
 
-from dinfer_rt.generate import generate_batch
+from dinfer_rt.engine import run_batch
 from dinfer_rt.model import Model
 from dinfer_rt.sampling import SamplingParams
 
 
 def measure(model: Model, prompts: list[list[int]], params: SamplingParams, warmup: int = 1, iters: int = 3) -> dict:
     for _ in range(warmup):
-        generate_batch(model, prompts, params)
+        run_batch(model, prompts, params)
     steps: list[float] = []
     tokens, wall = 0, 0.0
     for _ in range(iters):
-        r = generate_batch(model, prompts, params)
+        r = run_batch(model, prompts, params)
         steps += r.step_s
         tokens += int(r.committed.sum())
         wall += r.wall_s
