@@ -116,6 +116,7 @@ class Cohort:
 
     def __init__(self, model: Model, prompts: list[list[int]], params: SamplingParams) -> None:
         params.validate()
+        model.spec.check_cache_policy(params.cache)
         if not prompts or any(len(p) == 0 for p in prompts):
             raise GenerationError("every prompt must have at least one token")
         check_token_ids(prompts, model.spec.vocab)

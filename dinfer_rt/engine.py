@@ -96,17 +96,11 @@ def check_request(
     *,
     vocab: int,
     max_model_len: int,
-    block_size: int | None,
     has_tokenizer: bool,
 ) -> int:
     """The engine's admission checks: a ``GenerationError`` naming the field, else ``max_tokens``
     (default ``params.gen_length``)."""
     params.validate()
-    if block_size is not None and params.block_length != block_size:
-        raise GenerationError(
-            f"block_length {params.block_length}: this block-causal model is served with block_length "
-            f"{block_size} only (its attention mask is compiled for it)"
-        )
     if not prompt:
         raise GenerationError("prompt: at least one token is needed")
     check_token_ids([prompt], vocab)
@@ -140,8 +134,9 @@ class Engine:
     forward at admission (a cohort's first forward computes its whole sequence), so a long
     prompt waits for room instead of stalling every running row; ``max_queue`` bounds the
     waiting requests (``QueueFull`` past it); ``max_model_len`` sizes the KV-cache pool
-    (default: the model's max length). Block-causal models (LLaDA2) compile their mask for one
-    block size: ``block_length`` (requests with another are refused)."""
+    (default: the model's max length). ``block_length``: the served default block length of a
+    block-causal model (LLaDA2; reported to front ends). Cohorts of block-causal models with
+    different block lengths (their masks differ) take separate forwards."""
 
     def __init__(
         self,
@@ -244,7 +239,7 @@ class Engine:
         routing): a ``GenerationError`` naming the field, else the request's ``max_tokens``."""
         return check_request(
             prompt, params, max_tokens, vocab=self.model.spec.vocab, max_model_len=self.max_model_len,
-            block_size=self.block_size, has_tokenizer=self.model.tokenizer is not None,
+            has_tokenizer=self.model.tokenizer is not None,
         )  # fmt: skip
 
     def abort(self, request_id: str) -> None:
@@ -361,8 +356,10 @@ class Engine:
 
     def _forward_and_decide(self) -> None:
         cohorts, st = self.cohorts, self.stats
-        # a lone cohort, or any that needs its own forward (guidance, a precision schedule): lockstep
-        if len(cohorts) == 1 or any(c.window.guided or c.schedule is not None for c in cohorts):
+        # a lone cohort, or any that needs its own forward (guidance, a precision schedule, another
+        # block-causal mask): lockstep
+        alone = any(c.window.guided or c.schedule is not None for c in cohorts)
+        if len(cohorts) == 1 or alone or len({c.block_size for c in cohorts}) > 1:
             for c in cohorts:
                 commit = c.decide(c.forward(c.window))
                 st.steps += 1

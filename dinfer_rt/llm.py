@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,28 +46,33 @@ class LLM:
         data_parallel_size: int = 1,
         expert_parallel: bool = False,
     ) -> None:
-        """``tensor_parallel_size`` / ``data_parallel_size`` > 1: ``generate`` runs on that many
-        worker processes (``dinfer_rt.parallel``; started for each call, each loading only its
-        shard), and this process holds no weights (``self.model`` is None). ``expert_parallel``:
-        MoE layers split whole experts over the ranks instead of each expert's intermediate size."""
-        self.parallel = None
+        """``tensor_parallel_size`` / ``data_parallel_size`` > 1: ``generate`` runs on worker
+        processes started here and kept for the LLM's life (``data_parallel_size`` engine replicas,
+        each a tensor-parallel group of ``tensor_parallel_size`` ranks that load their shards once;
+        ``close()`` stops them), and this process holds no weights (``self.model`` is None).
+        ``expert_parallel``: MoE layers split whole experts over the ranks instead of each
+        expert's intermediate size."""
+        self.pool = None
+        for name, size in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise GenerationError(f"{name} must be an int >= 1, got {size!r}")
         if tensor_parallel_size > 1 or data_parallel_size > 1:
-            from dinfer_rt import parallel
             from dinfer_rt.loader import default_model_path
-            from dinfer_rt.spec import parse_spec
+            from dinfer_rt.replicas import ReplicaPool
 
             if isinstance(model, Model) or quantization is not None:
+                sizes = f"tensor_parallel_size={tensor_parallel_size}, data_parallel_size={data_parallel_size}"
                 raise GenerationError(
-                    "tensor_parallel_size > 1 takes a model path (each rank loads its shard), unquantised"
+                    f"{sizes}: worker processes load the model themselves, so pass its path (not a loaded "
+                    "Model) and no quantization"
                 )
-            spec = parse_spec(Path(model) if model else default_model_path())
-            parallel.check_split(spec, tensor_parallel_size, expert_parallel)
-            sizes = {
-                "tensor_parallel_size": tensor_parallel_size,
-                "data_parallel_size": data_parallel_size,
-                "expert_parallel": expert_parallel,
-            }
-            self.parallel = {"path": model, "backend": backend, "dtype": dtype, **sizes}
+            load = {"path": Path(model) if model else default_model_path(), "backend": backend, "dtype": dtype}
+            load["check_weights"] = check_weights
+            engine = {"max_num_seqs": 64, "max_num_batched_tokens": 1 << 20}
+            self.pool = ReplicaPool(
+                data_parallel_size, load, engine, max_queue=1 << 30, tp_size=tensor_parallel_size,
+                expert_parallel=expert_parallel,
+            )  # fmt: skip
             self.model = None
         elif isinstance(model, Model):
             self.model = model
@@ -75,14 +81,29 @@ class LLM:
                 model, backend=backend, dtype=dtype, check_weights=check_weights, quantization=quantization
             )
 
+    @property
+    def tokenizer(self):
+        return self.pool.tokenizer if self.pool is not None else self.model.tokenizer
+
+    def close(self) -> None:
+        """Stop the worker processes of a parallel LLM (also at interpreter exit); idempotent."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool.shutdown()
+            self.pool = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def encode(self, prompt: str | list[int], chat: bool) -> list[int]:
-        if self.model is None:
-            raise GenerationError("a tensor-parallel LLM holds no tokenizer here: pass prompts to generate")
         if isinstance(prompt, list):
             return prompt  # ids: checked against the vocabulary by the engine
         if not isinstance(prompt, str):
             raise GenerationError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        tok = self.model.tokenizer
+        tok = self.tokenizer
         if tok is None:
             raise GenerationError("this model was loaded without a tokenizer; pass token ids")
         if not prompt.strip():
@@ -100,9 +121,8 @@ class LLM:
         prompts = list(prompts) if isinstance(prompts, tuple) else prompts
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        if self.parallel is not None:
-            p = dict(self.parallel)
-            return generate_parallel(p.pop("path"), prompts, params, **p)
+        if self.pool is not None:
+            return self._generate_on_workers(prompts, params, progress)
         encoded = [self.encode(p, params.chat) for p in prompts]
         if params.stop and self.model.tokenizer is None:
             raise GenerationError("stop strings need the model's tokenizer (loaded without one)")
@@ -121,71 +141,36 @@ class LLM:
                 bar.update(len(chunk))
         return outputs
 
+    def _generate_on_workers(self, prompts: list, params: SamplingParams, progress: bool) -> list[GenerationOutput]:
+        """Every prompt a request to the worker engines (which keep running between calls); the
+        outputs in prompt order. Each prompt decodes as it would alone (batch invariance)."""
+        if self.pool is None:
+            raise GenerationError("this LLM was closed: its worker processes are gone")
+        encoded = [self.encode(p, params.chat) for p in prompts]
+        start = time.perf_counter()
+        reqs = [self.pool.submit(ids, params) for ids in encoded]
+        with tqdm(total=len(reqs), desc="generate", disable=not progress, unit="prompt") as bar:
+            while not all(r.done for r in reqs):
+                bar.update(len(self.pool.step()))
+        wall = time.perf_counter() - start
+        outputs = []
+        for prompt, req in zip(prompts, reqs):
+            if req.error is not None:
+                raise GenerationError(f"generate on the worker processes failed: {req.error}")
+            toks = len(req.final_ids)
+            stats = GenerationStats(req.forwards, toks, toks / max(req.forwards, 1), wall, toks / wall if wall else 0.0)
+            outputs.append(GenerationOutput(prompt, req.text, req.output_ids, stats))
+        return outputs
 
-# ---------------------------------------------------------------- on worker ranks (module level: spawnable)
+
+# ---------------------------------------------------------------- under an external launcher (torchrun)
 
 
 def generate_on_rank(
     rank: int, world: int, path, prompts: list, params, backend=None, dtype=None, expert_parallel: bool = False
 ):
-    """``LLM.generate`` on rank ``rank``'s shard: its ``GenerationOutput`` per prompt (every rank
-    runs the same steps; rank 0's are returned by ``parallel.launch``)."""
+    """``LLM.generate`` on rank ``rank``'s shard of a process group someone else started
+    (torchrun): every rank runs the same steps; rank 0's outputs are the answer."""
     from dinfer_rt.parallel import load_sharded
 
     return LLM(load_sharded(path, rank, world, backend, dtype, expert_parallel)).generate(prompts, params)
-
-
-def replica_on_rank(
-    rank: int,
-    world: int,
-    tp_size: int,
-    path,
-    prompts: list,
-    params,
-    backend=None,
-    dtype=None,
-    expert_parallel: bool = False,
-):
-    """Data parallelism: replica ``rank // tp_size`` generates every ``replicas``-th prompt on its
-    own tensor-parallel group; its first rank returns ``(prompt index, output)`` rows."""
-    replicas, replica, tp_rank = world // tp_size, rank // tp_size, rank % tp_size
-    mine = list(range(replica, len(prompts), replicas))
-    if not mine:
-        return []
-    outs = generate_on_rank(tp_rank, tp_size, path, [prompts[i] for i in mine], params, backend, dtype, expert_parallel)
-    return list(zip(mine, outs)) if tp_rank == 0 else []
-
-
-def generate_parallel(
-    path,
-    prompts: list,
-    params,
-    *,
-    tensor_parallel_size: int = 1,
-    data_parallel_size: int = 1,
-    expert_parallel: bool = False,
-    backend=None,
-    dtype=None,
-) -> list[GenerationOutput]:
-    """``LLM.generate`` over ``data_parallel_size`` replicas of ``tensor_parallel_size`` ranks
-    each (spawned on this machine for this call): one ``GenerationOutput`` per prompt, in order."""
-    from dinfer_rt import parallel
-    from dinfer_rt.loader import default_model_path
-    from dinfer_rt.spec import parse_spec
-
-    spec = parse_spec(Path(path) if path else default_model_path())
-    parallel.check_split(spec, tensor_parallel_size, expert_parallel)
-    if data_parallel_size < 1:
-        raise parallel.ParallelError(f"data parallel size must be >= 1, got {data_parallel_size}")
-    world = tensor_parallel_size * data_parallel_size
-    if world == 1:
-        return generate_on_rank(0, 1, path, prompts, params, backend, dtype)
-    args = (path, prompts, params, backend, dtype, expert_parallel)
-    if data_parallel_size == 1:
-        return parallel.launch(world, generate_on_rank, *args, backend=backend)
-    rows = parallel.launch(
-        world, replica_on_rank, tensor_parallel_size, *args,
-        backend=backend, tp_size=tensor_parallel_size, all_ranks=True,
-    )  # fmt: skip
-    by_prompt = dict(row for rank_rows in rows for row in rank_rows)
-    return [by_prompt[i] for i in range(len(prompts))]

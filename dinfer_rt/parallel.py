@@ -10,6 +10,7 @@ same bytes on every rank); rank 0's results are returned.
 from __future__ import annotations
 
 import atexit
+import datetime
 import gc
 import io
 import os
@@ -38,12 +39,14 @@ RENDEZVOUS_ENV = "DINFER_RENDEZVOUS"
 released before the ranks bind it could be taken meanwhile by a concurrent run)."""
 
 
-def init_group(backend_name: str | None, rank: int, world: int, tp_size: int | None = None) -> None:
+def init_group(
+    backend_name: str | None, rank: int, world: int, tp_size: int | None = None, timeout_s: float | None = None
+) -> None:
     """Join the default process group (``launch``'s file rendezvous, else env:// : MASTER_ADDR /
     MASTER_PORT, as torchrun sets them) with the backend's collective library, bind this rank to
     its device (``LOCAL_RANK``, else ``rank``, among the visible ones: ``CUDA_VISIBLE_DEVICES`` /
     ``HIP_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES``), and make the group the one the IR's
-    collectives use."""
+    collectives use. ``timeout_s`` bounds how long a collective waits for a peer (default torch's)."""
     import torch.distributed as dist
 
     from dinfer_rt.plugins import select_backend
@@ -53,7 +56,8 @@ def init_group(backend_name: str | None, rank: int, world: int, tp_size: int | N
     library = (backend.capabilities().collectives or "gloo").split()[0]
     bind_device(backend, int(os.environ.get("LOCAL_RANK", rank)))
     if not dist.is_initialized():
-        dist.init_process_group(library, rank=rank, world_size=world, init_method=os.environ.get(RENDEZVOUS_ENV))
+        kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        dist.init_process_group(library, rank=rank, world_size=world, init_method=os.environ.get(RENDEZVOUS_ENV), **kw)
         atexit.register(leave_group, wait=False)
     tp = tp_size or world
     if tp == world:

@@ -36,23 +36,57 @@ class ReplicaError(DinferError):
     """A replica failed to start or died: the message names it."""
 
 
-def replica_main(index: int, replicas: int, load: dict, engine_kwargs: dict, inbox, outbox) -> None:
-    """One replica process: load, report "ready", then apply commands and step the engine."""
+def replica_main(
+    index: int,
+    replicas: int,
+    load: dict,
+    engine_kwargs: dict,
+    inbox,
+    outbox,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    rendezvous: str | None = None,
+    expert_parallel: bool = False,
+) -> None:
+    """One replica process (with ``tp_size`` > 1: rank ``tp_rank`` of replica ``index``'s
+    tensor-parallel group): load, report "ready", then apply commands and step the engine.
+
+    Under tensor parallelism the group's rank 0 owns the commands: each round it broadcasts the
+    commands it took from the front end to the group, and every rank applies the same commands
+    and steps its engine over its shard (the collectives inside the forward keep the ranks'
+    logits, hence their decisions, equal); only rank 0 reports. The ranks never decide what to
+    run on their own."""
     from dinfer_rt.engine import Engine
     from dinfer_rt.loader import load_model
-    from dinfer_rt.parallel import bind_device
+    from dinfer_rt.parallel import RENDEZVOUS_ENV, bind_device, init_group, leave_group, load_sharded
     from dinfer_rt.plugins import select_backend
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // replicas))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (replicas * tp_size)))
+    lead = tp_rank == 0
+    group = None
     try:
-        bind_device(select_backend(load.get("backend")), index)
-        model = load_model(**load)
+        if tp_size > 1:
+            import torch.distributed as dist
+
+            from dinfer_rt.ir import ops
+
+            os.environ[RENDEZVOUS_ENV] = rendezvous
+            # a rank whose lead died (or whose front end was killed) stops waiting after this long
+            init_group(load.get("backend"), index * tp_size + tp_rank, replicas * tp_size, tp_size, timeout_s=600)
+            group = ops.COLLECTIVE_GROUPS["tp"]
+            args = (load.get("path"), tp_rank, tp_size, load.get("backend"), load.get("dtype"), expert_parallel)
+            model = load_sharded(*args)
+        else:
+            bind_device(select_backend(load.get("backend")), index)
+            model = load_model(**load)
         engine = Engine(model, **engine_kwargs)
-    except BaseException as e:  # the front end reports it, naming this replica
-        outbox.put(("failed", index, f"{type(e).__name__}: {e}"))
+    except BaseException as e:  # the front end reports it, naming this replica and rank
+        where = f"rank {tp_rank}: " if tp_size > 1 else ""
+        outbox.put(("failed", index, f"{where}{type(e).__name__}: {e}"))
         return
-    info = {"eos_ids": model.eos_ids, "mask_id": model.mask_id, "max_model_len": engine.max_model_len}
-    outbox.put(("ready", index, {**info, "block_size": engine.block_size, "pid": os.getpid()}))
+    if lead:
+        info = {"eos_ids": model.eos_ids, "mask_id": model.mask_id, "max_model_len": engine.max_model_len}
+        outbox.put(("ready", index, {**info, "block_size": engine.block_size, "pid": os.getpid()}))
     parent = os.getppid()
 
     def listener(req: Request, event: str) -> None:
@@ -63,37 +97,63 @@ def replica_main(index: int, replicas: int, load: dict, engine_kwargs: dict, inb
             msg["forwards"] = req.forwards
         outbox.put(("event", index, req.id, event, msg))
 
-    while os.getppid() == parent:  # an orphaned replica (the front end was killed) exits
-        commands = []
-        try:
-            commands.append(inbox.get(timeout=0 if engine.has_work() else 0.05))
-        except queue.Empty:
-            pass
-        while True:
-            try:
-                commands.append(inbox.get_nowait())
-            except queue.Empty:
-                break
-        for cmd in commands:
-            if cmd[0] == "submit":
-                _, rid, prompt, params, max_tokens, canvas = cmd
+    try:
+        while os.getppid() == parent:  # an orphaned replica (the front end was killed) exits
+            commands = _take_commands(inbox, engine.has_work()) if lead else []
+            if group is not None:  # the lead's commands, to every rank of the group
+                box = [commands]
                 try:
-                    engine.submit(
-                        prompt, params, max_tokens=max_tokens, request_id=rid, listener=listener, return_canvas=canvas
-                    )
-                except GenerationError as e:  # the front end checked it; refuse it as an error, not a hang
+                    dist.broadcast_object_list(box, src=index * tp_size, group=group)
+                except RuntimeError:  # a peer rank is gone: the front end names it and stops the group
+                    return
+                commands = box[0]
+            if _apply(commands, engine, listener if lead else None, outbox, index):
+                return
+            if engine.has_work():
+                engine.step()
+                if lead:
+                    stats = {k: getattr(engine.stats, k) for k in _STAT_FIELDS}
+                    outbox.put(("step", index, {**stats, "running": engine.num_running, "waiting": engine.num_waiting}))
+    finally:
+        if group is not None:
+            leave_group(wait=False)
+
+
+def _take_commands(inbox, busy: bool) -> list:
+    """The front end's commands waiting in ``inbox`` (blocking up to 50 ms when idle)."""
+    commands = []
+    try:
+        commands.append(inbox.get(timeout=0 if busy else 0.05))
+    except queue.Empty:
+        pass
+    while True:
+        try:
+            commands.append(inbox.get_nowait())
+        except queue.Empty:
+            return commands
+
+
+def _apply(commands: list, engine, listener, outbox, index: int) -> bool:
+    """Apply the commands to the engine; True on "stop". ``listener`` None: a follower rank, which
+    reports nothing."""
+    for cmd in commands:
+        if cmd[0] == "submit":
+            _, rid, prompt, params, max_tokens, canvas = cmd
+            try:
+                engine.submit(
+                    prompt, params, max_tokens=max_tokens, request_id=rid, listener=listener, return_canvas=canvas
+                )
+            except GenerationError as e:  # the front end checked it; refuse it as an error, not a hang
+                if listener is not None:
                     err = f"{type(e).__name__}: {e}"
                     outbox.put(("event", index, rid, "finish", {"final_ids": [], "reason": "error", "error": err}))
-            elif cmd[0] == "abort":
-                engine.abort(cmd[1])
-            elif cmd[0] == "close":
-                engine.close()
-            elif cmd[0] == "stop":
-                return
-        if engine.has_work():
-            engine.step()
-            stats = {k: getattr(engine.stats, k) for k in _STAT_FIELDS}
-            outbox.put(("step", index, {**stats, "running": engine.num_running, "waiting": engine.num_waiting}))
+        elif cmd[0] == "abort":
+            engine.abort(cmd[1])
+        elif cmd[0] == "close":
+            engine.close()
+        elif cmd[0] == "stop":
+            return True
+    return False
 
 
 class ReplicaPool:
@@ -101,44 +161,84 @@ class ReplicaPool:
     each an :class:`Engine` with ``engine_kwargs``; the front end admits at most ``max_num_seqs +
     max_queue`` requests per replica (past it: ``QueueFull``)."""
 
-    def __init__(self, replicas: int, load: dict, engine_kwargs: dict, max_queue: int, timeout: float = 600.0):
+    def __init__(
+        self,
+        replicas: int,
+        load: dict,
+        engine_kwargs: dict,
+        max_queue: int,
+        timeout: float = 600.0,
+        tp_size: int = 1,
+        expert_parallel: bool = False,
+    ):
+        """``tp_size`` > 1: each replica is a tensor-parallel group of that many rank processes,
+        each loading its shard once (``expert_parallel``: MoE layers split whole experts)."""
+        import tempfile
+
         import torch.multiprocessing as mp
 
         from dinfer_rt.loader import default_model_path
-        from dinfer_rt.parallel import check_devices
+        from dinfer_rt.parallel import check_devices, check_split
         from dinfer_rt.plugins import select_backend
         from dinfer_rt.spec import parse_spec
         from dinfer_rt.tokenizer import Tokenizer
 
         if replicas < 1:
             raise ReplicaError(f"data parallel size must be >= 1, got {replicas}")
+        if tp_size < 1:
+            raise ReplicaError(f"tensor parallel size must be >= 1, got {tp_size}")
         path = Path(load.get("path") or default_model_path())
         self.spec = parse_spec(path)  # a bad model folder fails here, before any process starts
-        check_devices(select_backend(load.get("backend")), replicas)
+        if tp_size > 1:
+            check_split(self.spec, tp_size, expert_parallel)
+            if load.get("quantization") is not None:
+                raise ReplicaError("quantization with tensor_parallel_size > 1 is not supported yet")
+        check_devices(select_backend(load.get("backend")), replicas * tp_size)
         ctx = mp.get_context("spawn")
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(replicas)]
         kwargs = {**engine_kwargs, "max_queue": None}  # the front end bounds the queue
-        self.procs = [
-            ctx.Process(
-                target=replica_main, args=(i, replicas, load, kwargs, self.inboxes[i], self.outbox), daemon=True
-            )
+        self._store = tempfile.mkdtemp(prefix="dinfer-replicas-") if tp_size > 1 else None
+        rendezvous = None if self._store is None else "file://" + os.path.join(self._store, "store")
+        self.tp_size = tp_size
+        self.ranks = [  # per replica, its rank processes (rank 0 first)
+            [
+                ctx.Process(
+                    target=replica_main,
+                    args=(
+                        i,
+                        replicas,
+                        load,
+                        kwargs,
+                        self.inboxes[i] if t == 0 else None,
+                        self.outbox,
+                        t,
+                        tp_size,
+                        rendezvous,
+                        expert_parallel,
+                    ),
+                    daemon=True,
+                )  # fmt: skip
+                for t in range(tp_size)
+            ]
             for i in range(replicas)
         ]
-        for p in self.procs:
-            p.start()
+        self.procs = [group[0] for group in self.ranks]
+        for group in self.ranks:
+            for p in group:
+                p.start()
         ready: dict[int, dict] = {}
         deadline = time.monotonic() + timeout
         while len(ready) < replicas:
             try:
                 kind, index, value = self.outbox.get(timeout=0.5)
             except queue.Empty:
-                dead = [(i, p.exitcode) for i, p in enumerate(self.procs) if i not in ready and p.exitcode is not None]
+                dead = [(i, *d) for i in range(replicas) if i not in ready for d in self._dead_ranks(i)]
                 if dead or time.monotonic() > deadline:
                     self.shutdown()
-                    which = dead[0][0] if dead else sorted(set(range(replicas)) - set(ready))
-                    why = f"died (exit code {dead[0][1]})" if dead else f"did not start within {timeout:.0f} s"
-                    raise ReplicaError(f"replica {which} {why}") from None
+                    which = self._name(*dead[0][:2]) if dead else f"replica {sorted(set(range(replicas)) - set(ready))}"
+                    why = f"died (exit code {dead[0][2]})" if dead else f"did not start within {timeout:.0f} s"
+                    raise ReplicaError(f"{which} {why}") from None
                 continue
             if kind == "failed":
                 self.shutdown()
@@ -155,6 +255,7 @@ class ReplicaPool:
         self.load = [0] * replicas  # requests in flight per replica
         self.served = [0] * replicas  # requests routed to each replica so far
         self.alive = [True] * replicas
+        self.deaths: list[str] = []
         self.closed = False
         self.stats = EngineStats()
         self._reported = [{k: 0 for k in (*_STAT_FIELDS, "running", "waiting")} for _ in range(replicas)]
@@ -175,7 +276,7 @@ class ReplicaPool:
     ) -> Request:
         max_tokens = check_request(
             prompt, params, max_tokens, vocab=self.spec.vocab, max_model_len=self.max_model_len,
-            block_size=self.block_size, has_tokenizer=True,
+            has_tokenizer=True,
         )  # fmt: skip
         with self._lock:
             if self.closed:
@@ -215,7 +316,9 @@ class ReplicaPool:
 
     @property
     def num_running(self) -> int:
-        return max(0, len(self.inflight) - self.num_waiting)
+        """Rows the replicas last reported running (a request still on its way to a replica is
+        neither running nor, yet, waiting there)."""
+        return sum(r["running"] for r in self._reported)
 
     def has_work(self) -> bool:
         return bool(self.inflight)
@@ -246,11 +349,32 @@ class ReplicaPool:
         """Stop every replica process (after ``close`` and the drain)."""
         for box in self.inboxes:
             box.put(("stop",))
-        for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
+        for group in self.ranks:
+            for p in group:
                 p.join(timeout=5)
+                if p.is_alive():
+                    p.terminate()
+                    p.join(timeout=5)
+        if self._store is not None:
+            import shutil
+
+            shutil.rmtree(self._store, ignore_errors=True)
+
+    @property
+    def rank_pids(self) -> list[list[int]]:
+        """Per replica, its rank processes' pids (rank 0 first; one each without TP)."""
+        return [[p.pid for p in group] for group in self.ranks]
+
+    def death_reason(self) -> str:
+        """Which replicas (and ranks) died, in the order they were found dead."""
+        return "; ".join(self.deaths) or "no replica died"
+
+    def _dead_ranks(self, i: int) -> list[tuple[int, int]]:
+        """(rank, exit code) of replica ``i``'s rank processes that have exited."""
+        return [(t, p.exitcode) for t, p in enumerate(self.ranks[i]) if p.exitcode is not None]
+
+    def _name(self, i: int, rank: int) -> str:
+        return f"replica {i} rank {rank}" if self.tp_size > 1 else f"replica {i}"
 
     # ---------------------------------------------------------------- events
     def _on_event(self, index: int, rid: str, event: str, msg: dict, finished: list[Request]) -> None:
@@ -264,6 +388,12 @@ class ReplicaPool:
             req.output_ids, req.text = msg.get("output_ids", []), msg.get("text", "")
             req.forwards = msg.get("forwards", 0)
             error = msg.get("error")
+            dead = self._dead_ranks(index) if error is not None else []
+            if dead:  # a collective failed because a peer rank died: name the rank, not the library
+                rank, code = dead[0]
+                error = f"{self._name(index, rank)} died (exit code {code}) while serving this request"
+                self._finish(req, index, msg["reason"], ReplicaError(error), finished)
+                return
             self._finish(req, index, msg["reason"], None if error is None else GenerationError(error), finished)
             return
         notify(req, event)
@@ -277,11 +407,17 @@ class ReplicaPool:
         notify(req, "finish")
 
     def _check_alive(self, finished: list[Request]) -> None:
-        for i, p in enumerate(self.procs):
-            if self.alive[i] and p.exitcode is not None:
+        for i in range(self.replicas):
+            dead = self._dead_ranks(i) if self.alive[i] else []
+            if dead:
                 self.alive[i] = False
                 self._reported[i] = {**self._reported[i], "running": 0, "waiting": 0}
+                for p in self.ranks[i]:  # the group's other ranks would wait on the dead one forever
+                    if p.exitcode is None:
+                        p.terminate()
+                rank, code = dead[0]
+                self.deaths.append(f"{self._name(i, rank)} died (exit code {code})")
                 lost = [req for req, r in list(self.inflight.values()) if r == i]
                 for req in lost:
-                    err = ReplicaError(f"replica {i} died (exit code {p.exitcode}) while serving this request")
+                    err = ReplicaError(f"{self._name(i, rank)} died (exit code {code}) while serving this request")
                     self._finish(req, i, "error", err, finished)

@@ -196,6 +196,7 @@ def test_load_shares_torchs_openmp_runtime_or_builds_without_it(monkeypatch, fre
     assert plain.lib is not None and "one thread: the OpenMP build failed" in plain.reason, plain.reason
     assert "-fno-such-openmp-flag" in plain.reason  # the compiler's own words
     assert not plain.lib.dinfer_native_openmp()
+    assert not hasattr(plain.lib, "dinfer_native_threaded")  # a dead export, removed (#37)
     h = torch.randn(300, 2 * 96)  # the size that is split over threads where OpenMP is there
     _close(native.NativeKernels(plain.lib).swiglu(h), ops.swiglu(h.double()))
 

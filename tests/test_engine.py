@@ -5,6 +5,7 @@ admission and retirement order, cancellation, faults and bad requests."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -180,9 +181,16 @@ def test_bad_requests_are_refused_at_submit(embedded, ckpt_dir):
     engine.close()
     with pytest.raises(EngineClosed):
         engine.submit(ok, SamplingParams())
-    block_causal = Engine(dinfer_rt.load_model(ckpt_dir("llada2"), backend="cpu"), block_length=4)
-    with pytest.raises(GenerationError, match="served with block_length 4 only"):
-        block_causal.submit([7, 8], SamplingParams(gen_length=16, block_length=8))
+    # block-causal: another block length than the served default is decoded (its own forward)
+    llm2 = LLM(ckpt_dir("llada2"), backend="cpu")
+    block_causal = Engine(llm2.model, block_length=4)
+    p4, p8 = (SamplingParams(gen_length=16, block_length=b, strategy="threshold") for b in (4, 8))
+    reqs = [block_causal.submit([7, 8, 9], p4), block_causal.submit([7, 8], p8)]
+    block_causal.run_until_idle()
+    assert [r.output_ids for r in reqs] == [
+        llm2.generate([[7, 8, 9]], p4)[0].token_ids,
+        llm2.generate([[7, 8]], p8)[0].token_ids,
+    ]
 
 
 def test_streamable_text_never_holds_a_stop_string_or_a_split_character():
@@ -308,3 +316,28 @@ def test_a_static_batch_larger_than_the_engine_or_its_length_is_refused(embedded
         engine.submit_batch([[7, 8]] * 3, SamplingParams())
     with pytest.raises(GenerationError, match="42 tokens exceed the engine's max model length 30"):
         engine.submit_batch([[7, 8]], SamplingParams())
+
+
+def test_review_defects_of_the_two_loops_are_fixed(embedded, ckpt_dir, capsys, tmp_path):
+    """#37's review list: a data-parallel LLM over a loaded Model names the sizes it was given;
+    a replica pool counts only the rows its replicas report running (not requests in transit);
+    ``bench`` measures prompts that fit the model (``--prompt-len`` / ``--data``) and refuses the
+    embedded task's prompts for another model."""
+    from dinfer_rt.cli import main
+    from dinfer_rt.replicas import ReplicaPool
+
+    with pytest.raises(GenerationError, match="data_parallel_size=2: worker processes load the model"):
+        LLM(embedded.model, data_parallel_size=2)
+    pool = ReplicaPool.__new__(ReplicaPool)
+    pool.inflight = {"a": None, "b": None, "c": None}  # three submitted, one not yet reported anywhere
+    pool._reported = [{"running": 1, "waiting": 0}, {"running": 0, "waiting": 1}]
+    assert pool.num_running == 1 and pool.num_waiting == 1
+    path = str(ckpt_dir("llada"))
+    args = ["bench", "--model", path, "--gen-length", "4", "--block-length", "4", "--iters", "1", "--warmup", "0"]
+    assert main([*args, "--batch-size", "2"]) == 2
+    assert "the embedded task's prompts fit only the embedded model" in capsys.readouterr().err
+    assert main([*args, "--batch-size", "2", "--prompt-len", "5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["batch_size"] == 2
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "hello"}\n')
+    assert main([*args, "--model", str(dinfer_rt.loader.default_model_path()), "--data", str(data), "--json"]) == 0

@@ -13,7 +13,7 @@ import dinfer_rt
 from dinfer_rt import parallel
 from dinfer_rt.errors import ConfigError
 from dinfer_rt.ir import Graph, TensorType, ops
-from dinfer_rt.llm import generate_on_rank, generate_parallel
+from dinfer_rt.llm import generate_on_rank
 from dinfer_rt.lowering import lower
 from dinfer_rt.passes.shard import TensorParallel, shard_graph
 from dinfer_rt.sampling import SamplingParams
@@ -160,8 +160,35 @@ def test_data_parallel_replicas_split_the_prompts_and_keep_their_order(tp):
     prompts = ["qwertyuiop", "asdfghjklz", "zxcvbnmlkj", "plmoknijbu", "mnbvcxzlkj"]  # 5: uneven split
     params = SamplingParams(strategy="threshold", block_length=8)
     want = [(o.text, o.token_ids) for o in dinfer_rt.LLM().generate(prompts, params)]
-    outs = generate_parallel(None, prompts, params, tensor_parallel_size=tp, data_parallel_size=2)
-    assert [(o.text, o.token_ids) for o in outs] == want
+    with dinfer_rt.LLM(tensor_parallel_size=tp, data_parallel_size=2) as llm:
+        outs = llm.generate(prompts, params)
+        assert [(o.text, o.token_ids) for o in outs] == want
+        assert all(served >= 2 for served in llm.pool.served)  # both replicas answered
+
+
+def test_a_tensor_parallel_llm_keeps_its_ranks_across_generate_calls():
+    """``LLM(tensor_parallel_size=2)`` starts its two ranks once: every generate call answers as
+    one process does, and the second call starts no process and loads nothing (the same rank
+    processes, which loaded their shards once)."""
+    import multiprocessing
+
+    one = dinfer_rt.LLM()
+    prompts = ["qwertyuiop", "asdfghjklz", "abc"]
+    with dinfer_rt.LLM(tensor_parallel_size=2) as llm:
+        ranks = [p.pid for group in llm.pool.ranks for p in group]
+        assert len(ranks) == 2 and all(llm.pool.alive)
+        for params in (
+            SamplingParams(strategy="threshold", block_length=8, cache="dual"),
+            SamplingParams(strategy="low_confidence", block_length=8, cache="prefix"),
+        ):
+            before = {p.pid for p in multiprocessing.active_children()}
+            got = llm.generate(prompts, params)
+            assert [(o.text, o.token_ids) for o in got] == [
+                (o.text, o.token_ids) for o in one.generate(prompts, params)
+            ]
+            assert {p.pid for p in multiprocessing.active_children()} == before  # no process started
+            assert [p.pid for group in llm.pool.ranks for p in group] == ranks and all(llm.pool.alive)
+    assert not any(p.pid in ranks for p in multiprocessing.active_children())  # close() stopped them
 
 
 def _raises_on_rank_1(rank, world):

@@ -49,9 +49,6 @@ int dinfer_native_openmp(void) {
 #endif
 }
 
-/* Whether kernels may split over threads (OpenMP build, and torch's runtime). */
-int dinfer_native_threaded(void) { return !single_thread && dinfer_native_openmp(); }
-
 /* Threads an outer split of a layer block over its independent rows may use (1: none). Inside
  * such a split every kernel's own parallel region runs on its calling thread (OpenMP leaves
  * nested regions inactive), so each thread keeps its rows' intermediates in its own cache. */
