@@ -37,7 +37,7 @@ def test_env_var_selects_and_writes_back(monkeypatch):
     monkeypatch.setenv("DINFER_BACKEND", "cpu")
     b = plugins.select_backend()
     assert b.name == "cpu"
-    assert os.environ["DINFER_BACKEND"] == "cpu:reference"
+    assert os.environ["DINFER_BACKEND"] == "cpu:native"
     assert plugins.select_backend().name == "cpu"  # the written-back value resolves again
 
 
@@ -82,18 +82,18 @@ def test_allowlist_and_autoload_switch(monkeypatch, fake_plugins):
     monkeypatch.setenv("DINFER_DISABLE_PLUGIN_AUTOLOAD", "1")
     plugins.registry.cache_clear()
     reg = plugins.registry()
-    assert set(reg.backends) == {"cpu", "cuda", "rocm_dcu", "ascend"} and not reg.failures
+    assert set(reg.backends) == {"cpu", "reference", "cuda", "rocm_dcu", "ascend"} and not reg.failures
 
 
 def test_flavour_and_arch_are_parsed(monkeypatch):
-    monkeypatch.setenv("DINFER_BACKEND", "cpu:reference:x86")
+    monkeypatch.setenv("DINFER_BACKEND", "cpu:native:x86")
     b = plugins.select_backend()
-    assert (b.name, b.flavour, b.arch) == ("cpu", "reference", "x86")
+    assert (b.name, b.flavour, b.arch) == ("cpu", "native", "x86")
 
 
 def test_every_in_tree_backend_is_listed_with_its_reason():
     reg = plugins.registry()
-    assert {"cpu", "cuda", "rocm_dcu", "ascend"} <= set(reg.backends)
+    assert {"cpu", "reference", "cuda", "rocm_dcu", "ascend"} <= set(reg.backends)
     reasons = {n: plugins.availability(c) for n, c in reg.backends.items()}
     assert reasons["cpu"].ok
     import torch

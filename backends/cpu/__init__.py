@@ -1,4 +1,4 @@
-"""The CPU reference backend: runs every IR op's reference semantics with torch."""
+"""The ``cpu`` backend: native row kernels and layer blocks, torch for the rest."""
 
 from dinfer_rt.backends.cpu.backend import CpuBackend
 

@@ -1,8 +1,9 @@
-"""CPU reference backend: the reference implementations of the IR ops are its kernels.
+"""The ``cpu`` backend: the fast path on the host.
 
-It defines the truth other backends are validated against; with ``dtype=float64`` it is
-the validation oracle (always the torch kernels). In float32 a few ops whose cost on small
-models is dispatch, not arithmetic, run natively (``native.py``) when a C compiler is there.
+Ops whose cost on small models is dispatch, not arithmetic, run natively (``native.py``: norms,
+SwiGLU, attention, whole layer blocks) when a C compiler is there; the others run their
+reference semantics in torch. Like every backend it is validated against the ``reference``
+backend (``backends/reference``: the float64 oracle, which no native code touches).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dinfer_rt.ir import OPS
 
 class CpuBackend(Backend):
     name = "cpu"
-    flavour = "reference"  # device_type: "cpu", the Platform default
+    flavour = "native"  # device_type: "cpu", the Platform default
     priority = 0
 
     def __init__(self) -> None:

@@ -106,7 +106,7 @@ def validate_backend(backend: Backend, dtypes: list[torch.dtype], quick: bool, b
         bar.update(1)
         items = task.heldout(8 if quick else 32)
         test = load_model(EMBEDDED_MODEL, backend=backend.name, dtype=dtype)
-        ref = load_model(EMBEDDED_MODEL, backend="cpu", dtype="float64")
+        ref = load_model(EMBEDDED_MODEL, backend="reference", dtype="float64")
         tok = test.tokenizer
         llm_prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": it.letters}])) for it in items]
         # mixed lengths (left-padded batches): drop 0-3 leading letters per row for the logit checks
@@ -131,7 +131,7 @@ def validate_backend(backend: Backend, dtypes: list[torch.dtype], quick: bool, b
         models["embedded"]["accuracy"] = model_checks.task_accuracy(LLM(test), LLM(ref), 50 if quick else 200)
         for name, path in ckpts.items():
             t = load_model(path, backend=backend.name, dtype=dtype)
-            r = load_model(path, backend="cpu", dtype="float64")
+            r = load_model(path, backend="reference", dtype="float64")
             prompts = [[7, 8, 9, 10], [11, 12]]  # mixed lengths: one row left-padded
             small = SamplingParams(gen_length=8, block_length=4, strategy="threshold", threshold=0.5, early_stop=False)
             models[name] = {
