@@ -359,10 +359,16 @@ def serving_checks(backend_name: str) -> dict:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     offline_s = time.perf_counter() - t0
+
+    def serve_all(engine: Engine, ids: list[list[int]]) -> list:
+        reqs = [engine.submit(p, params) for p in ids]  # each its own cohort, as the server submits
+        engine.run_until_idle()
+        return reqs
+
+    serve_all(Engine(llm.model, max_num_seqs=16), prompts[:16])
     engine = Engine(llm.model, max_num_seqs=16)
-    engine.generate(prompts[:16], params)
     t0 = time.perf_counter()
-    reqs = engine.generate(prompts, params)
+    reqs = serve_all(engine, prompts)
     engine_s = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
     same = sum(r.output_ids == o.token_ids for r, o in zip(reqs, outs))
@@ -372,6 +378,9 @@ def serving_checks(backend_name: str) -> dict:
         "offline_tokens_per_s": tokens / offline_s,
         "engine_tokens_per_s": tokens / engine_s,
         "engine_equal_outputs": f"{same}/{len(outs)}",
+        "engine_lockstep_steps": engine.stats.lockstep_steps,
+        "engine_per_row_steps": engine.stats.per_row_steps,
+        "engine_padded_share": engine.stats.padded_tokens / max(engine.stats.computed_tokens, 1),
     }
 
 

@@ -25,7 +25,7 @@ stage() {  # stage NAME SECONDS CMD...: run CMD under a time limit, record its v
 stage generate 60 python3 -m dinfer_rt generate --backend cuda qwertyuiop
 stage gpu_check "${GPU_CHECK_S:-300}" python3 benchmarks/gpu_check.py --backend cuda --out "$out"
 # the cross-hardware validation suite on the device (op conformance incl. padded attention
-# variants, fused vs unfused, model-level checks against the float64 cpu reference)
+# variants, fused vs unfused, model-level checks against the float64 `reference` backend)
 stage validate "${VALIDATE_S:-100}" python3 -m dinfer_rt validate --backends cuda --quick \
     --markdown "$out/validate-cuda.md"
 # the speed/accuracy sweep with dinfer-rt (device graphs) and the Fast-dLLM-style baseline both on

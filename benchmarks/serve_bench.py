@@ -54,7 +54,9 @@ def offline(prompts: list[str], batch: int) -> dict:
     # the same engine the server runs, in this process with no HTTP: where the server's loss lies
     engine = Engine(llm.model, max_num_seqs=batch)
     t0 = time.perf_counter()
-    engine.generate([llm.encode(p, True) for p in prompts], params)
+    for p in prompts:  # every request its own cohort, as the server submits them
+        engine.submit(llm.encode(p, True), params)
+    engine.run_until_idle()
     engine_wall = time.perf_counter() - t0
     return {
         "lone_p50_s": statistics.median(lone),
