@@ -1,9 +1,9 @@
 """A/B: static batches through this tree's ``LLM.generate`` against another tree's (issue #37:
 the one engine must keep >= 0.95x of the old ``generate_batch`` loop's tokens/s, same accuracy).
 
-Each tree runs in its own process (``--tree DIR`` puts DIR first on ``sys.path``; the backends
-and native kernels come from the installed package, the same for both). Rounds alternate the
-trees, so the machine's drift lands on both alike; per row the median of ``--repeats`` rounds.
+Each measurement runs in its own process with one tree first on ``sys.path`` (the backends and
+native kernels come from the installed package, the same for both). The trees alternate row by
+row, so the machine's drift lands on both alike; per row the median of ``--repeats`` runs.
 
     python benchmarks/engine_ab.py --other /tmp/main-checkout --limit 50 --repeats 3
 """
@@ -29,27 +29,23 @@ ROWS = [  # the sweep's rows that exercise each path: lockstep (none/dual/prefix
 ]
 
 
-def measure(limit: int, batches: list[int]) -> list[dict]:
-    """This process's tree: every row at every batch size once (after one warm-up call)."""
+def measure(limit: int, batch: int, row: int) -> dict:
+    """This process's tree: one row at one batch size (after one warm-up call)."""
     from dinfer_rt.demo.bench import evaluate
     from dinfer_rt.llm import LLM
     from dinfer_rt.sampling import SamplingParams
 
     llm = LLM()
     llm.generate(["qwertyuiop"], SamplingParams())
-    out = []
-    for batch in batches:
-        for row in ROWS:
-            r = evaluate(llm, SamplingParams(batch_size=batch, early_stop=False, **row), limit=limit)
-            out.append({"batch": batch, **row, "accuracy": r.accuracy, "tokens_per_s": r.tokens_per_s})
-    return out
+    r = evaluate(llm, SamplingParams(batch_size=batch, early_stop=False, **ROWS[row]), limit=limit)
+    return {"accuracy": r.accuracy, "tokens_per_s": r.tokens_per_s}
 
 
-def run_tree(tree: str | None, limit: int, batches: list[int]) -> list[dict]:
+def run_tree(tree: str | None, limit: int, batch: int, row: int) -> dict:
     env = dict(os.environ)
     if tree:
         env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, __file__, "--child", "--limit", str(limit), "--batches", ",".join(map(str, batches))]
+    cmd = [sys.executable, __file__, "--child", "--limit", str(limit), "--batches", str(batch), "--row", str(row)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -60,27 +56,29 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=50)
     ap.add_argument("--batches", default="1,50")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--row", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     if a.child:
-        print(json.dumps(measure(a.limit, batches)))
+        print(json.dumps(measure(a.limit, batches[0], a.row)))
         return
     here = str(Path(__file__).resolve().parents[1])
-    runs: dict[str, list[list[dict]]] = {"this": [], "other": []}
-    for _ in range(a.repeats):
-        runs["this"].append(run_tree(here, a.limit, batches))
-        runs["other"].append(run_tree(a.other, a.limit, batches))
     print("| batch | rule | cache | block | acc this | acc other | tok/s this | tok/s other | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for i, row in enumerate(runs["this"][0]):
-        this = statistics.median(r[i]["tokens_per_s"] for r in runs["this"])
-        other = statistics.median(r[i]["tokens_per_s"] for r in runs["other"])
-        acc_o = runs["other"][0][i]["accuracy"]
-        print(
-            f"| {row['batch']} | {row['strategy']} | {row['cache']} | {row['block_length']} | {row['accuracy']:.3f} "
-            f"| {acc_o:.3f} | {this:.0f} | {other:.0f} | {this / other:.2f} |"
-        )
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    for batch in batches:
+        for i, row in enumerate(ROWS):
+            this, other = [], []
+            for _ in range(a.repeats):  # the two trees alternate, row by row
+                this.append(run_tree(here, a.limit, batch, i))
+                other.append(run_tree(a.other, a.limit, batch, i))
+            t = statistics.median(r["tokens_per_s"] for r in this)
+            o = statistics.median(r["tokens_per_s"] for r in other)
+            print(
+                f"| {batch} | {row['strategy']} | {row['cache']} | {row['block_length']} | {this[0]['accuracy']:.3f} "
+                f"| {other[0]['accuracy']:.3f} | {t:.0f} | {o:.0f} | {t / o:.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -26,11 +26,25 @@ _DTYPE_BYTES = {
     "I32": 4,
     "I16": 2,
     "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
     "U8": 1,
     "BOOL": 1,
     "F8_E4M3": 1,
     "F8_E5M2": 1,
 }
+# safetensors dtypes that are no weight format this runtime loads: refused at the header, naming the tensor.
+_REFUSED_DTYPES = {
+    "F8_E8M0": "an MX block-scale format",
+    "F6_E2M3": "a packed 6-bit float format",
+    "F6_E3M2": "a packed 6-bit float format",
+    "F4": "a packed 4-bit float format",
+    "C64": "a complex format",
+}
+# fp8 weights are read as bfloat16, which holds every E4M3 / E5M2 value exactly (8 exponent bits,
+# 7 mantissa bits): the dtype conversion and the NaN scan then work as for any 16-bit checkpoint.
+_FP8 = {torch.float8_e4m3fn, torch.float8_e5m2}
 _MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -59,6 +73,15 @@ def read_header(path: Path) -> dict[str, dict]:
     header.pop("__metadata__", None)
     data_size = size - 8 - n
     for name, info in header.items():
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        if isinstance(dtype, str) and dtype not in _DTYPE_BYTES:
+            what = _REFUSED_DTYPES.get(dtype)
+            if what is not None:
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} has dtype {dtype} ({what}), which dinfer-rt does not load; "
+                    "convert the checkpoint to bfloat16 / float16 / float32 (or fp8 E4M3 / E5M2)"
+                )
+            raise CheckpointError(f"{path}: tensor {name!r} has unknown safetensors dtype {dtype[:40]!r}")
         try:
             dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
             numel = 1
@@ -115,6 +138,17 @@ class Checkpoint:
             raise CheckpointError(
                 f"{index}: not a valid safetensors index (needs a 'weight_map' object): {e}"
             ) from None
+        for name, shard in self._weight_map.items():
+            if not isinstance(shard, str) or not shard:
+                raise CheckpointError(
+                    f"{index}: 'weight_map' gives tensor {name!r} the shard {shard!r}; shard names must be file "
+                    "names (strings)"
+                )
+            if shard != Path(shard).name or shard in (".", ".."):
+                raise CheckpointError(
+                    f"{index}: 'weight_map' gives tensor {name!r} the shard {shard!r}; shards must be files in the "
+                    "model folder, named without a path"
+                )
         shards = sorted(set(self._weight_map.values()))
         for shard in shards:
             if not (self.dir / shard).is_file():
@@ -162,4 +196,4 @@ class Checkpoint:
                     else:
                         t = fh.get_tensor(n)
                     self.bytes_read += t.numel() * t.element_size()
-                    yield n, t
+                    yield n, (t.to(torch.bfloat16) if t.dtype in _FP8 else t)

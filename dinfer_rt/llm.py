@@ -14,6 +14,7 @@ from dinfer_rt.errors import GenerationError
 from dinfer_rt.loader import load_model
 from dinfer_rt.model import Model
 from dinfer_rt.sampling import SamplingParams
+from dinfer_rt.tokenizer import refuse_mask_token
 
 
 @dataclass
@@ -57,7 +58,7 @@ class LLM:
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise GenerationError(f"{name} must be an int >= 1, got {size!r}")
         if tensor_parallel_size > 1 or data_parallel_size > 1:
-            from dinfer_rt.loader import default_model_path
+            from dinfer_rt.loader import model_folder
             from dinfer_rt.replicas import ReplicaPool
 
             if isinstance(model, Model) or quantization is not None:
@@ -66,7 +67,7 @@ class LLM:
                     f"{sizes}: worker processes load the model themselves, so pass its path (not a loaded "
                     "Model) and no quantization"
                 )
-            load = {"path": Path(model) if model else default_model_path(), "backend": backend, "dtype": dtype}
+            load = {"path": model_folder(model), "backend": backend, "dtype": dtype}
             load["check_weights"] = check_weights
             engine = {"max_num_seqs": 64, "max_num_batched_tokens": 1 << 20}
             self.pool = ReplicaPool(
@@ -98,8 +99,12 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def encode(self, prompt: str | list[int], chat: bool) -> list[int]:
+    def encode(
+        self, prompt: str | list[int], chat: bool, allow_mask_in_prompt: bool = False, where: str = "prompt"
+    ) -> list[int]:
+        mask_id = (self.pool if self.pool is not None else self.model).mask_id
         if isinstance(prompt, list):
+            refuse_mask_token(prompt, mask_id, where, allow_mask_in_prompt)
             return prompt  # ids: checked against the vocabulary by the engine
         if not isinstance(prompt, str):
             raise GenerationError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -110,10 +115,16 @@ class LLM:
             raise GenerationError("empty prompt")
         if chat and tok.chat_template:
             prompt = tok.apply_chat_template([{"role": "user", "content": prompt}])
-        return tok.encode(prompt)
+        ids = tok.encode(prompt)
+        refuse_mask_token(ids, mask_id, where, allow_mask_in_prompt)
+        return ids
 
     def generate(
-        self, prompts: str | list[str] | list[list[int]], params: SamplingParams | None = None, progress: bool = False
+        self,
+        prompts: str | list[str] | list[list[int]],
+        params: SamplingParams | None = None,
+        progress: bool = False,
+        allow_mask_in_prompt: bool = False,
     ) -> list[GenerationOutput]:
         params = (params or SamplingParams()).validate()
         if not isinstance(prompts, (str, list, tuple)) or not prompts:
@@ -122,8 +133,8 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if self.pool is not None:
-            return self._generate_on_workers(prompts, params, progress)
-        encoded = [self.encode(p, params.chat) for p in prompts]
+            return self._generate_on_workers(prompts, params, progress, allow_mask_in_prompt)
+        encoded = [self.encode(p, params.chat, allow_mask_in_prompt, f"prompt {i}") for i, p in enumerate(prompts)]
         if params.stop and self.model.tokenizer is None:
             raise GenerationError("stop strings need the model's tokenizer (loaded without one)")
         outputs: list[GenerationOutput] = []
@@ -141,12 +152,14 @@ class LLM:
                 bar.update(len(chunk))
         return outputs
 
-    def _generate_on_workers(self, prompts: list, params: SamplingParams, progress: bool) -> list[GenerationOutput]:
+    def _generate_on_workers(
+        self, prompts: list, params: SamplingParams, progress: bool, allow_mask_in_prompt: bool = False
+    ) -> list[GenerationOutput]:
         """Every prompt a request to the worker engines (which keep running between calls); the
         outputs in prompt order. Each prompt decodes as it would alone (batch invariance)."""
         if self.pool is None:
             raise GenerationError("this LLM was closed: its worker processes are gone")
-        encoded = [self.encode(p, params.chat) for p in prompts]
+        encoded = [self.encode(p, params.chat, allow_mask_in_prompt, f"prompt {i}") for i, p in enumerate(prompts)]
         start = time.perf_counter()
         reqs = [self.pool.submit(ids, params) for ids in encoded]
         with tqdm(total=len(reqs), desc="generate", disable=not progress, unit="prompt") as bar:

@@ -10,18 +10,42 @@ from dinfer_rt import envs
 from dinfer_rt.checkpoint import Checkpoint
 from dinfer_rt.dtypes import resolve_dtype
 from dinfer_rt.errors import ConfigError
+from dinfer_rt.hub import resolve_model
 from dinfer_rt.model import Model
 from dinfer_rt.plugins import select_backend
 from dinfer_rt.spec import parse_spec
-from dinfer_rt.tokenizer import Tokenizer
+from dinfer_rt.tokenizer import Tokenizer, generation_eos_ids, require_file
 
 EMBEDDED_MODEL = Path(__file__).parent / "demo" / "model"
 
 
 def default_model_path() -> Path:
-    """``DINFER_MODEL`` if set, else the embedded model shipped in the package."""
+    """``DINFER_MODEL`` if set (a folder, or a hub id resolved to its cached snapshot), else the
+    embedded model shipped in the package."""
     env = envs.get(envs.DINFER_MODEL)
-    return Path(env) if env else EMBEDDED_MODEL
+    return resolve_model(env, what=envs.DINFER_MODEL) if env else EMBEDDED_MODEL
+
+
+def model_folder(path: str | Path | None, revision: str | None = None, download_dir: str | Path | None = None) -> Path:
+    """The folder a ``model`` argument names: a local folder as given, a hub id (``ORG/NAME``)
+    downloaded or found in the hub cache (``dinfer_rt.hub``), None for ``default_model_path()``."""
+    if path is None:
+        if revision is not None or download_dir is not None:
+            env = envs.get(envs.DINFER_MODEL)
+            if env:
+                return resolve_model(env, revision, download_dir, what=envs.DINFER_MODEL)
+            raise ConfigError("--revision / --download-dir apply to hub ids: pass --model ORG/NAME")
+        return check_folder_files(default_model_path())
+    return check_folder_files(resolve_model(path, revision, download_dir))
+
+
+def check_folder_files(folder: Path) -> Path:
+    """A config.json that is there but is a folder, a symlink loop or a dangling symlink is named
+    as such (a missing one is left to ``parse_spec``'s message)."""
+    cfg = folder / "config.json"
+    if folder.is_dir() and (cfg.is_symlink() or cfg.exists()):
+        require_file(cfg, "config.json", ConfigError, "")
+    return folder
 
 
 def check_special_tokens(model_dir: Path, spec, tok: Tokenizer) -> None:
@@ -40,6 +64,19 @@ def check_special_tokens(model_dir: Path, spec, tok: Tokenizer) -> None:
                 f"{model_dir / 'config.json'}: field {field!r} = {ours} contradicts "
                 f"{model_dir / 'tokenizer_config.json'}: {key} {tok.config.get(key)!r} is id {named}"
             )
+
+
+def checked_generation_eos(model_dir: Path, spec) -> tuple[int, ...]:
+    """generation_config.json's ``eos_token_id`` (an id or a list), each inside the vocabulary:
+    instruct checkpoints name their end-of-turn token only there (SDAR's ``<|im_end|>``)."""
+    ids = generation_eos_ids(model_dir)
+    for i in ids:
+        if i >= spec.vocab:
+            raise ConfigError(
+                f"{model_dir / 'generation_config.json'}: field 'eos_token_id' = {i} is outside the vocabulary "
+                f"({spec.vocab} rows)"
+            )
+    return ids
 
 
 def auto_dtype(spec, backend) -> torch.dtype:
@@ -63,8 +100,13 @@ def load_model(
     tensor_parallel: tuple[int, int] | None = None,
     quantization: str | None = None,
     expert_parallel: bool = False,
+    revision: str | None = None,
+    download_dir: str | Path | None = None,
+    chat_template_name: str | None = None,
 ) -> Model:
-    """Load a checkpoint folder (config.json + safetensors + tokenizer.json).
+    """Load a checkpoint folder (config.json + safetensors + tokenizer.json), or a hub id
+    (``ORG/NAME``, at ``revision``, cached in ``download_dir`` or the hub library's cache;
+    ``docs/models.md``). A local folder of the same spelling always wins.
 
     ``backend`` overrides ``DINFER_BACKEND``. ``dtype`` (float32 / bfloat16 / float16 /
     float64) is the conversion applied as each tensor is read; ``"auto"`` (the default, as in
@@ -77,9 +119,10 @@ def load_model(
     expert's intermediate size, or with ``expert_parallel`` whole experts. ``quantization`` ("int8", "fp8")
     quantises the decoder projections as they are read (weight-only, per output channel) and keeps
     only the quantised copies; a GPTQ checkpoint (config.json ``quantization_config``) loads in
-    its packed 4-bit layout without it (``docs/quantization.md``).
+    its packed 4-bit layout without it (``docs/quantization.md``). ``chat_template_name`` picks one
+    of the named templates when tokenizer_config.json's ``chat_template`` is a list of them.
     """
-    model_dir = Path(path) if path is not None else default_model_path()
+    model_dir = model_folder(path, revision, download_dir)
     spec = parse_spec(model_dir)
     tp = None
     if tensor_parallel is not None and tensor_parallel[1] > 1:
@@ -101,7 +144,8 @@ def load_model(
 
         raise BackendError(f"backend {be.name} does not support dtype {dt}; it supports {be.capabilities().dtypes}")
     fmt = _weight_format(model_dir, spec, be, quantization, tp)
-    tok = Tokenizer(model_dir, spec.vocab) if tokenizer else None
+    tok = Tokenizer(model_dir, spec.vocab, chat_template_name=chat_template_name) if tokenizer else None
+    generation_eos = checked_generation_eos(model_dir, spec)
     if tok is not None:
         check_special_tokens(model_dir, spec, tok)
     weights = Checkpoint(model_dir)
@@ -110,6 +154,7 @@ def load_model(
     w = load_weights(weights, spec, dt, check_weights, tp, quantization, device=be.device())
     model = Model(model_dir, spec, w, tok, be, dt, tuple(disable_passes), tensor_parallel=tp, weight_format=fmt)
     model.bytes_read = weights.bytes_read  # what this process read from the checkpoint files
+    model.generation_eos_ids = generation_eos  # generation_config.json's stop ids (docs/models.md)
     model.executable(cached=False)  # lower, verify and compile now: errors surface at load
     return model
 

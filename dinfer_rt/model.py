@@ -203,16 +203,10 @@ class Model:
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
-        ids = set(self.spec.eos_ids)
-        if self.tokenizer is not None:
-            for tok in EOS_TOKENS[self.spec.family]:
-                i = self.tokenizer.token_id(tok)
-                if i is not None:
-                    ids.add(i)
-            eos = self.tokenizer.special_id("eos_token")
-            if eos is not None:
-                ids.add(eos)
-        return tuple(sorted(ids))
+        from dinfer_rt.tokenizer import stop_ids
+
+        config_eos = (*self.spec.eos_ids, *getattr(self, "generation_eos_ids", ()))
+        return stop_ids(self.tokenizer, config_eos, EOS_TOKENS.get(self.spec.family, ()))
 
     @property
     def pad_id(self) -> int:

@@ -1,10 +1,12 @@
 """Model families: read config.json into a :class:`ModelSpec` and list the tensors it implies.
 
-Families (``docs/models.md``): ``llada`` (LLaDA-8B layout), ``dream`` (Qwen2 names, shifted
-logits), ``llada_moe`` (LLaDA-MoE-7B-A1B), ``llada2`` (LLaDA2.0 / BailingMoeV2: fused
-``query_key_value``, partial RoPE, group-limited sigmoid router, first dense layers,
-block-causal attention). The family is decided from ``architectures`` / ``model_type``
-and MoE fields, never from ``model_type`` alone (dense LLaDA and LLaDA-MoE share it).
+Families (``docs/models.md``): ``llada`` (LLaDA-8B layout), ``illada`` (iLLaDA-8B: the LLaDA
+layout with grouped KV heads and a tied head; unknown config keys refused), ``dream`` (Qwen2
+names, shifted logits), ``llada_moe`` (LLaDA-MoE-7B-A1B), ``llada2`` (LLaDA2.0 / BailingMoeV2:
+fused ``query_key_value``, partial RoPE, group-limited sigmoid router, first dense layers,
+block-causal attention), ``sdar`` / ``sdar_moe`` (SDAR: Qwen3 / Qwen3-MoE layers under
+block-causal attention, SDAR's KV rule). The family is decided from ``architectures`` /
+``model_type`` and MoE fields, never from ``model_type`` alone (dense LLaDA and LLaDA-MoE share it).
 
 Defaults: a field a config.json omits takes the upstream configuration class's default (the
 ``DEFAULTS`` table per family), or, where that default is a variant dinfer-rt does not
@@ -21,9 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dinfer_rt.errors import ConfigError
+from dinfer_rt.errors import ConfigError, GenerationError
 
-FAMILIES = ("llada", "dream", "llada_moe", "llada2")
+FAMILIES = ("llada", "illada", "dream", "llada_moe", "llada2", "sdar", "sdar_moe")
+LLADA_LAYOUT = ("llada", "illada")
+"""Families read from LLaDA-8B's OLMo-derived config keys and ``model.transformer.*`` tensors."""
 
 # Upstream configuration-class defaults of the fields dinfer-rt reads (LLaDA: the OLMo-derived
 # ModelConfig of configuration_llada.py; Dream: Qwen2Config; LLaDA-MoE: LLaDAMoEConfig; LLaDA2:
@@ -64,7 +68,59 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 0,
         "use_qk_norm": True,
     },
+    # SDARConfig (JetAstra/SDAR) is Qwen3Config's field set; the MoE variant Qwen3MoeConfig's, which
+    # has no head_dim (its attention falls back to hidden_size // num_attention_heads).
+    "sdar": {
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "head_dim": 128,
+    },
+    "sdar_moe": {
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+    },
 }
+DEFAULTS["illada"] = dict(DEFAULTS["llada"])  # iLLaDA reuses LLaDA's configuration code
+
+# Family defaults that are not configuration-class defaults: what the reference inference code
+# assumes when a config omits the key (SGLang's DLLM_PARAMS for SDAR; LLaDA's README for iLLaDA:
+# "by setting mask_id=5, iLLaDA can directly reuse the existing LLaDA inference code").
+FAMILY_MASK_IDS: dict[str, int] = {"sdar": 151669, "sdar_moe": 151669, "illada": 5}
+FAMILY_BLOCK_SIZES: dict[str, int] = {"llada2": 32, "sdar": 4, "sdar_moe": 4}
+
+# iLLaDA's config keys are not published: the keys dinfer-rt knows (LLaDA-8B's config.json: the
+# OLMo-derived ModelConfig fields, and HF bookkeeping) are accepted, any other key is refused
+# naming it rather than guessed at. Those that change the math are checked as for LLaDA.
+ILLADA_KNOWN_FIELDS = frozenset(
+    {
+        "_name_or_path", "architectures", "auto_map", "model_type", "transformers_version", "torch_dtype",
+        "use_cache", "quantization_config", "activation_type", "alibi", "alibi_bias_max", "attention_dropout",
+        "attention_layer_norm", "attention_layer_norm_with_affine", "bias_for_layer_norm", "block_group_size",
+        "block_type", "clip_qkv", "d_model", "embedding_dropout", "embedding_size", "flash_attention",
+        "include_bias", "include_qkv_bias", "init_cutoff_factor", "init_device", "init_fn", "init_std",
+        "input_emb_norm", "layer_norm_type", "layer_norm_with_affine", "max_sequence_length", "mlp_hidden_size",
+        "mlp_ratio", "multi_query_attention", "n_heads", "n_kv_heads", "n_layers", "precision", "residual_dropout",
+        "rms_norm_eps", "rope", "rope_full_precision", "rope_theta", "scale_logits", "vocab_size", "weight_tying",
+        "mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id",
+    }
+)  # fmt: skip
+
+# Cache policies (``sampling.CACHES``) whose forwards equal no-cache decoding. On a bidirectional
+# model every cached position goes stale as the block fills, so only "none" is exact. On a
+# block-causal model a finished block's K/V depend only on blocks before it, and the scheduler
+# runs every policy as "recompute the current block (and, at a block's first step, the block just
+# finished) over the cached earlier blocks": all exact (tests/test_scheduler.py). Under SDAR's KV
+# rule (denoising forwards store nothing) "delayed" has no meaning: it exists to keep the current
+# block's K/V from earlier denoising forwards, computed while other slots of the block were still
+# masked, which block-causal attention reads. So SDAR runs every policy but that one.
+CACHES_ALL = ("none", "prefix", "dual", "vicinity", "adaptive", "anchored", "delayed")
+EXACT_CACHES_BIDIRECTIONAL = ("none",)
+EXACT_CACHES_BLOCK_CAUSAL = CACHES_ALL
+EXACT_CACHES_REENCODE = tuple(c for c in CACHES_ALL if c != "delayed")
 
 # Turn-end / end-of-text token strings whose ids end a generation, per family (with the config's
 # eos_token_id and the tokenizer's eos_token). LLaDA2 / LLaDA-MoE use the Ling chat format.
@@ -73,6 +129,9 @@ EOS_TOKENS: dict[str, tuple[str, ...]] = {
     "dream": ("<|im_end|>", "<|endoftext|>"),
     "llada_moe": ("<|role_end|>", "<|endoftext|>"),
     "llada2": ("<|role_end|>", "<|endoftext|>"),
+    "illada": ("<|eot_id|>", "<|endoftext|>"),  # LLaDA's (iLLaDA's tokenizer is unpublished here)
+    "sdar": ("<|im_end|>", "<|endoftext|>"),
+    "sdar_moe": ("<|im_end|>", "<|endoftext|>"),
 }
 
 
@@ -118,10 +177,34 @@ class ModelSpec:
     pad_id: int | None = None
     bos_id: int | None = None
     moe: MoESpec | None = None
+    # SDAR's KV rule: denoising forwards read the cache and store nothing; once a block has no mask
+    # left, one more forward over its final tokens stores its K/V ("re-encode"); the prompt's whole
+    # blocks are prefilled under the block mask. Such a model runs only exact cache policies.
+    reencode_finished_blocks: bool = False
     config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and i >= self.moe.first_k_dense
+
+    @property
+    def exact_cache_policies(self) -> tuple[str, ...]:
+        """The cache policies whose decoding equals no-cache decoding token for token on this
+        model: bidirectional, "none" only; block-causal, every policy (SDAR's KV rule: all but
+        "delayed", which keeps K/V from denoising forwards)."""
+        if not self.block_causal:
+            return EXACT_CACHES_BIDIRECTIONAL
+        return EXACT_CACHES_REENCODE if self.reencode_finished_blocks else EXACT_CACHES_BLOCK_CAUSAL
+
+    def check_cache_policy(self, cache: str) -> None:
+        """Refuse, in one line, a cache policy this model cannot run: a model defined with SDAR's
+        KV rule (``reencode_finished_blocks``) has no approximate mode, so a policy outside
+        ``exact_cache_policies`` is an error. Other families accept every policy (the
+        approximate ones are their speed options)."""
+        if self.reencode_finished_blocks and cache not in self.exact_cache_policies:
+            raise GenerationError(
+                f"cache {cache!r} is not exact for the {self.family} model (SDAR's KV rule: denoising forwards "
+                f"store no K/V); use one of: {', '.join(self.exact_cache_policies)}"
+            )
 
 
 # Range rules applied whenever a field is read, so every message names the field.
@@ -235,14 +318,20 @@ def detect_family(cfg: dict[str, Any], path: Path) -> str:
         )
     if mtype.startswith("llada2") or "LLaDA2" in arch:
         return "llada2"
+    if mtype.lower().startswith("sdar") or "SDAR" in arch:
+        moe = "moe" in mtype.lower() or "Moe" in arch or "num_experts" in cfg
+        return "sdar_moe" if moe else "sdar"
     if mtype.lower() == "dream" or "Dream" in arch:
         return "dream"
+    name = cfg.get("_name_or_path", "")
+    if "illada" in " ".join((mtype, arch, auto, name if isinstance(name, str) else "")).lower():
+        return "illada"  # iLLaDA's own keys are unpublished: any of these naming it decides
     if mtype == "llada" or "LLaDA" in arch or "llada" in auto.lower():
         moe = "num_experts" in cfg or "MoE" in arch or "moe" in auto.lower()
         return "llada_moe" if moe else "llada"
     raise ConfigError(
         f"{path}: unsupported model_type {mtype!r} (architectures {archs}); "
-        f"supported: llada, llada (MoE), Dream, llada2_moe"
+        f"supported: llada, llada (MoE), iLLaDA, Dream, llada2_moe, sdar, sdar_moe"
     )
 
 
@@ -281,9 +370,11 @@ def parse_spec(model_dir: Path, cfg: dict[str, Any] | None = None) -> ModelSpec:
         "eos_ids": _eos_ids(f),
         "pad_id": f.get("pad_token_id", None, int),
         "bos_id": f.get("bos_token_id", None, int),
-        "mask_id": f.get("mask_token_id", None, int),
+        "mask_id": f.get("mask_token_id", FAMILY_MASK_IDS.get(family), int),
     }
-    if family == "llada":
+    if family == "illada":
+        _only_known_fields(f, ILLADA_KNOWN_FIELDS)
+    if family in LLADA_LAYOUT:
         spec = _llada(f, common)
     else:
         _no_unimplemented(f)
@@ -293,7 +384,7 @@ def parse_spec(model_dir: Path, cfg: dict[str, Any] | None = None) -> ModelSpec:
                 f"{path}: field 'hidden_size' ({hidden}) is smaller than 'num_attention_heads' ({heads}): "
                 "no head_dim is given and hidden_size // heads would be 0"
             )
-        head_dim = f.get("head_dim", hidden // heads, int)
+        head_dim = f.get("head_dim", DEFAULTS[family].get("head_dim", hidden // heads), int)
         kv_heads = f.get("num_key_value_heads", 0, int) if family == "llada2" else f.need("num_key_value_heads")
         if kv_heads == 0 and family != "llada2":
             raise ConfigError(f"{path}: field 'num_key_value_heads' must be > 0, found 0")
@@ -323,6 +414,8 @@ def parse_spec(model_dir: Path, cfg: dict[str, Any] | None = None) -> ModelSpec:
             )
         elif family == "llada_moe":
             spec = _llada_moe(f, base)
+        elif family in ("sdar", "sdar_moe"):
+            spec = _sdar(f, base)
         else:
             spec = _llada2(f, base)
     _check_spec(spec, path)
@@ -370,6 +463,17 @@ def _llada(f: _Fields, common: dict[str, Any]) -> ModelSpec:
         max_length=f.upstream("max_sequence_length", int),
         **common,
     )
+
+
+def _only_known_fields(f: _Fields, known: frozenset[str]) -> None:
+    """A family whose config keys are not published (iLLaDA): every key must be one dinfer-rt
+    knows, so a field that might change the math is refused by name instead of ignored."""
+    unknown = sorted(k for k in f.cfg if k not in known)
+    if unknown:
+        raise ConfigError(
+            f"{f.path}: field(s) {', '.join(map(repr, unknown))} are unknown to dinfer-rt for {f.family} "
+            "(its config keys are unpublished; only LLaDA-8B's keys are understood)"
+        )
 
 
 def _no_unimplemented(f: _Fields) -> None:
@@ -439,22 +543,56 @@ def _llada2(f: _Fields, base: dict[str, Any]) -> ModelSpec:
         qk_norm=f.upstream("use_qk_norm", bool),
         fused_qkv=True,
         block_causal=True,
-        default_block_size=f.get("block_size", 32, int),
+        default_block_size=f.get("block_size", FAMILY_BLOCK_SIZES["llada2"], int),
         moe=moe,
         **base,
     )
 
 
+def _sdar(f: _Fields, base: dict[str, Any]) -> ModelSpec:
+    """SDAR (JetAstra/SDAR; SGLang ``models/sdar.py``): Qwen3 layers (per-head QK-norm before
+    RoPE, GQA, no bias) under block-diffusion attention at absolute aligned blocks, no logit
+    shift; ``sdar_moe`` has Qwen3-MoE experts (softmax router over all experts, top-k,
+    renormalised when ``norm_topk_prob``, every layer sparse). Block size and mask id come from
+    the config, else the family defaults (``FAMILY_BLOCK_SIZES`` / ``FAMILY_MASK_IDS``)."""
+    f.supported("attention_bias", (False,), False)
+    f.supported("use_sliding_window", (False,), False)
+    block = dict(
+        qk_norm=True,
+        block_causal=True,
+        default_block_size=f.get("block_size", FAMILY_BLOCK_SIZES[f.family], int),
+        reencode_finished_blocks=True,
+    )
+    if f.family == "sdar":
+        return ModelSpec(intermediate=f.need("intermediate_size"), **block, **base)
+    f.supported("decoder_sparse_step", (1,), 1)  # other steps interleave dense layers
+    f.supported("mlp_only_layers", (None, []), None)
+    moe = MoESpec(
+        n_experts=f.need("num_experts"),
+        top_k=f.need("num_experts_per_tok"),
+        expert_intermediate=f.need("moe_intermediate_size"),
+        router="softmax",
+        renormalize=f.need("norm_topk_prob", kind=bool),
+    )
+    return ModelSpec(intermediate=moe.expert_intermediate, moe=moe, **block, **base)
+
+
 def _check_spec(s: ModelSpec, path: Path) -> None:
     """Checks across fields (each field's own range is checked as it is read)."""
-    heads, kv = ("n_heads", "n_kv_heads") if s.family == "llada" else ("num_attention_heads", "num_key_value_heads")
+    llada = s.family in LLADA_LAYOUT
+    heads, kv = ("n_heads", "n_kv_heads") if llada else ("num_attention_heads", "num_key_value_heads")
     if s.n_heads % s.n_kv_heads:
         raise ConfigError(f"{path}: field {heads!r} ({s.n_heads}) is not a multiple of {kv!r} ({s.n_kv_heads})")
-    if s.family == "llada" and s.hidden % s.n_heads:
+    if llada and s.hidden % s.n_heads:
         raise ConfigError(f"{path}: field 'd_model' ({s.hidden}) is not divisible by 'n_heads' ({s.n_heads})")
+    vocab_field = "embedding_size" if llada and s.config.get("embedding_size") else "vocab_size"
+    if s.config.get("mask_token_id") is None and s.mask_id is not None and not 0 <= s.mask_id < s.vocab:
+        raise ConfigError(
+            f"{path}: no field 'mask_token_id', and the {s.family} default mask id {s.mask_id} is outside the "
+            f"vocabulary ({vocab_field} {s.vocab}); set 'mask_token_id'"
+        )
     ids = [("mask_token_id", s.mask_id), ("pad_token_id", s.pad_id), ("bos_token_id", s.bos_id)]
     ids += [("eos_token_id", i) for i in s.eos_ids]
-    vocab_field = "embedding_size" if s.family == "llada" and s.config.get("embedding_size") else "vocab_size"
     for name, i in ids:
         if i is not None and not 0 <= i < s.vocab:
             raise ConfigError(f"{path}: field {name!r} = {i} is outside the vocabulary ({vocab_field} {s.vocab})")
@@ -498,7 +636,7 @@ def param_plan(s: ModelSpec) -> list[ParamPlan]:
     h, d, hd = s.hidden, s.n_heads * s.head_dim, s.head_dim
     kvd = s.n_kv_heads * hd
     plan: list[ParamPlan] = []
-    if s.family == "llada":
+    if s.family in LLADA_LAYOUT:
         pre = "model.transformer."
         plan.append(_p("embed", (s.vocab, h), pre + "wte.weight"))
         for i in range(s.n_layers):

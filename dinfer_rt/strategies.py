@@ -184,7 +184,23 @@ def make_credit(tau: float, decay: float, boost: float, alpha: float) -> Callabl
     return credit
 
 
-SCHEDULED = ("low_confidence", "random", "maskgit_plus", "topk_margin", "entropy")
+def make_low_confidence_dynamic(tau: float) -> Callable:
+    """SDAR's ``low_confidence_dynamic`` (JetAstra/SDAR ``generate.py``): per row, every masked
+    slot with confidence > ``tau`` (strictly, as upstream) when at least the step's quota of them
+    qualify, else the quota's best masked slots. The quota is the linear schedule's (SDAR: block
+    length // steps). A quota of 0 still commits at least the best slot (upstream would commit
+    none and waste the forward); greedy is argmax (the sampler, not a division by T=0)."""
+
+    def low_confidence_dynamic(s: StepInput):
+        x0, conf = candidates(s)
+        above = s.masked & (conf > tau)
+        enough = above.sum(-1) >= s.quota.clamp_min(1)
+        return x0, torch.where(enough[:, None], above, _top_quota(conf, s.masked, s.quota))
+
+    return low_confidence_dynamic
+
+
+SCHEDULED = ("low_confidence", "random", "maskgit_plus", "topk_margin", "entropy", "low_confidence_dynamic")
 SCORE_KIND = {
     "low_confidence": "max",
     "maskgit_plus": "max",
@@ -193,6 +209,7 @@ SCORE_KIND = {
     "hierarchical": "max",
     "topk_margin": "margin",
     "entropy": "entropy",
+    "low_confidence_dynamic": "max",
 }
 """Rules that, when greedy, need only each position's argmax and one score (the confidence head's kind)."""
 STATS_ONLY = tuple(SCORE_KIND)
@@ -209,6 +226,8 @@ def build(params) -> Callable[[StepInput], tuple[torch.Tensor, torch.Tensor]]:
         return make_hierarchical(params.threshold, params.low_threshold)
     if name == "credit":
         return make_credit(params.threshold, params.credit_decay, params.credit_boost, params.credit_alpha)
+    if name == "low_confidence_dynamic":
+        return make_low_confidence_dynamic(params.threshold)
     return {
         "low_confidence": low_confidence,
         "random": random_remask,

@@ -341,3 +341,26 @@ def test_review_defects_of_the_two_loops_are_fixed(embedded, ckpt_dir, capsys, t
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "hello"}\n')
     assert main([*args, "--model", str(dinfer_rt.loader.default_model_path()), "--data", str(data), "--json"]) == 0
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--gen-length", "64", "--block-length", "8"], "exceeds the max model length 64"),
+        (["--gen-length", "40", "--max-model-len", "30"], "exceeds the max model length 30"),
+        (["--model", "SDAR", "--cache", "delayed", "--gen-length", "8", "--block-length", "4"], "is not exact"),
+    ],
+)
+def test_serve_refuses_at_start_up_defaults_every_request_would_be_refused_with(
+    ckpt_dir, tmp_path, capsys, flags, message
+):
+    """A default the engine would refuse per request is one error before anything loads (the
+    classifier-free guidance and precision-schedule defaults, refused before #37, now serve)."""
+    from dinfer_rt.cli import main
+    from dinfer_rt.testing import checkpoints
+
+    if "SDAR" in flags:
+        flags = [str(checkpoints.sdar(tmp_path / "sdar")) if f == "SDAR" else f for f in flags]
+    assert main(["serve", "--port", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert "every request would be refused with these defaults" in err and message in err

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dinfer_rt.layouts import llada_config
+from dinfer_rt.layouts import llada_config, sdar_config
 
 MASK, EOS = 5, 1
 
@@ -133,6 +133,58 @@ def llada(
             b + "ff_out.weight": _rand(g, d, mlp),
         }
     return save(path, cfg, t, shards, dtype)
+
+
+def illada(
+    path: Path,
+    *,
+    d: int = 64,
+    layers: int = 2,
+    heads: int = 8,
+    kv_heads: int = 2,
+    mlp: int = 96,
+    vocab: int = 61,
+    seed: int = 11,
+    shards: int = 1,
+) -> Path:
+    """iLLaDA-8B's shape in miniature: the LLaDA layout with grouped KV heads (4:1 here, as 32:8),
+    a tied head (no top-level ``ff_out``) and no ``mask_token_id`` (the family default 5 is the
+    tokenizer's mask here). Its real config keys are unpublished: this one names the model in
+    ``architectures`` / ``model_type`` and otherwise uses LLaDA-8B's keys."""
+    g = torch.Generator().manual_seed(seed)
+    hd = d // heads
+    cfg = llada_config(
+        d_model=d,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        mlp=mlp,
+        vocab=vocab,
+        rope_theta=500000.0,
+        max_len=256,
+        mask_id=MASK,
+        eos_id=EOS,
+        architectures=["iLLaDAModelLM"],
+        model_type="illada",
+        weight_tying=True,
+    )
+    del cfg["mask_token_id"]
+    p = "model.transformer."
+    t = {p + "wte.weight": _rand(g, vocab, d, scale=1.0), p + "ln_f.weight": _norm(g, d)}
+    for i in range(layers):
+        b = f"{p}blocks.{i}."
+        t |= {
+            b + "attn_norm.weight": _norm(g, d),
+            b + "q_proj.weight": _rand(g, heads * hd, d),
+            b + "k_proj.weight": _rand(g, kv_heads * hd, d),
+            b + "v_proj.weight": _rand(g, kv_heads * hd, d),
+            b + "attn_out.weight": _rand(g, d, heads * hd),
+            b + "ff_norm.weight": _norm(g, d),
+            b + "ff_proj.weight": _rand(g, mlp, d),
+            b + "up_proj.weight": _rand(g, mlp, d),
+            b + "ff_out.weight": _rand(g, d, mlp),
+        }
+    return save(path, cfg, t, shards)
 
 
 def _attn_qwen(g, t, b, d, heads, kv, hd, bias):
@@ -370,3 +422,77 @@ def llada2(
         if shared:
             _mlp(g, t, b + "mlp.shared_experts.", d, inter * shared)
     return save(path, cfg, t, shards)
+
+
+def sdar(
+    path: Path,
+    *,
+    d: int = 48,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    mlp: int = 72,
+    experts: int = 0,
+    top_k: int = 2,
+    inter: int = 24,
+    norm_topk_prob: bool = True,
+    vocab: int = 61,
+    seed: int = 9,
+    shards: int = 1,
+    tie: bool = False,
+    block_size: int = 4,
+) -> Path:
+    """SDAR layout (Qwen3 tensor names: ``self_attn.{q,k,v,o}_proj``, per-head
+    ``self_attn.{q,k}_norm``, ``mlp.*``); ``experts`` > 0 writes the SDARMoe variant (Qwen3-MoE
+    names: ``mlp.gate``, ``mlp.experts.{e}.*``). head_dim is set apart from hidden / heads, as
+    Qwen3 allows. Config keys as the authors' config.json writes them (``layouts.sdar_config``)."""
+    g = torch.Generator().manual_seed(seed)
+    moe = None
+    if experts:
+        moe = {
+            "num_experts": experts,
+            "num_experts_per_tok": top_k,
+            "moe_intermediate_size": inter,
+            "norm_topk_prob": norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+        }
+    cfg = sdar_config(
+        hidden=d,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate=mlp,
+        vocab=vocab,
+        rope_theta=1000000.0,
+        max_len=512,
+        mask_id=MASK,
+        eos_id=EOS,
+        bos_id=2,  # the test tokenizer's <|startoftext|>
+        block_size=block_size,
+        tie=tie,
+        moe=moe,
+    )
+    t = {"model.embed_tokens.weight": _rand(g, vocab, d, scale=1.0), "model.norm.weight": _norm(g, d)}
+    if not tie:
+        t["lm_head.weight"] = _rand(g, vocab, d)
+    for i in range(layers):
+        b = f"model.layers.{i}."
+        _layer_norms(g, t, b, d)
+        _attn_qwen(g, t, b, d, heads, kv_heads, head_dim, bias=False)
+        _qk_norms(g, t, b, head_dim, "self_attn.q_norm.weight", "self_attn.k_norm.weight")
+        if experts:
+            t[b + "mlp.gate.weight"] = _rand(g, experts, d)
+            _experts(g, t, b + "mlp.", d, experts, inter)
+        else:
+            _mlp(g, t, b + "mlp.", d, mlp)
+    return save(path, cfg, t, shards)
+
+
+def sdar_moe(path: Path, **kwargs) -> Path:
+    """The SDARMoe variant of :func:`sdar` (6 experts, top-2, renormalised) unless told otherwise."""
+    return sdar(path, **{"experts": 6, "seed": 10, **kwargs})
