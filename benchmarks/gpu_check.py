@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from dinfer_rt.config_writers import LLADA_8B
 from dinfer_rt.ir import ops
-from dinfer_rt.layouts import LLADA_8B
 from dinfer_rt.model import Model
 from dinfer_rt.plugins import select_backend
 from dinfer_rt.spec import param_plan, parse_spec
@@ -345,11 +345,11 @@ def serving_checks(backend_name: str) -> dict:
     from dinfer_rt.demo import task
     from dinfer_rt.engine import Engine
     from dinfer_rt.sampling import SamplingParams
-    from dinfer_rt.testing import checkpoints, rows
+    from dinfer_rt.testing import checkpoints, per_row_windows
 
     with tempfile.TemporaryDirectory() as tmp:
         path = checkpoints.llada2(Path(tmp))
-        err = rows.per_row_error(
+        err = per_row_windows.per_row_error(
             dinfer_rt.load_model(path, backend=backend_name), dinfer_rt.load_model(path, backend="cpu")
         )
     llm = dinfer_rt.LLM(backend=backend_name)

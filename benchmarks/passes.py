@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dinfer_rt.layouts import LLADA_8B
+from dinfer_rt.config_writers import LLADA_8B
 from dinfer_rt.lowering import lower
 from dinfer_rt.passes import reorder
 from dinfer_rt.plugins import select_backend

@@ -194,10 +194,14 @@ def _raise_from_template(message: str) -> None:
 
 def tokenizer_config(model_dir: Path) -> dict[str, Any]:
     """tokenizer_config.json of ``model_dir`` as a dict ({} when the folder has none)."""
-    path = model_dir / "tokenizer_config.json"
+    return _json_object(model_dir / "tokenizer_config.json")
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """An optional JSON object file ({} when absent); unreadable or not an object: one line naming it."""
     if not (path.exists() or path.is_symlink()):
         return {}
-    require_file(path, "tokenizer_config.json", TokenizerError, "")
+    require_file(path, path.name, TokenizerError, "")
     try:
         config = json.loads(path.read_text())
     except OSError as e:
@@ -345,17 +349,7 @@ def generation_eos_ids(model_dir: Path) -> tuple[int, ...]:
     config.json often names only ``<|endoftext|>``: transformers' ``generate`` stops on this list,
     so dinfer-rt must too."""
     path = model_dir / "generation_config.json"
-    if not (path.exists() or path.is_symlink()):
-        return ()
-    require_file(path, "generation_config.json", TokenizerError, "")
-    try:
-        cfg = json.loads(path.read_text())
-    except OSError as e:
-        raise TokenizerError(f"{path}: cannot read ({e.strerror or e})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise TokenizerError(f"{path}: expected a JSON object, found {type(cfg).__name__}")
+    cfg = _json_object(path)
     eos = cfg.get("eos_token_id")
     if eos is None:
         return ()

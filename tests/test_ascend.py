@@ -232,8 +232,8 @@ def test_shared_commit_kernel_persistent_over_vector_cores(rule, monkeypatch):
 
 def test_per_row_query_windows_match_cpu(ascend, ckpt_dir):
     """Continuous batching's per-row token_index [B, T] through torch_npu's attention (simulated)."""
-    from dinfer_rt.testing import rows
+    from dinfer_rt.testing import per_row_windows
 
     path = ckpt_dir("llada2")
     model = dinfer_rt.load_model(path, backend="ascend", dtype="float32")
-    assert rows.per_row_error(model, dinfer_rt.load_model(path, backend="cpu")) <= 1e-5
+    assert per_row_windows.per_row_error(model, dinfer_rt.load_model(path, backend="cpu")) <= 1e-5

@@ -568,8 +568,8 @@ def test_scheduler_decides_on_the_device_with_the_same_tokens(cuda, monkeypatch,
 @pytest.mark.parametrize("name", ["llada_gqa_sharded", "llada2"])
 def test_per_row_query_windows_match_cpu(cuda, ckpt_dir, name):
     """Continuous batching's per-row token_index [B, T] through the flash kernel (block-causal too)."""
-    from dinfer_rt.testing import rows
+    from dinfer_rt.testing import per_row_windows
 
     path = ckpt_dir(name)
     model = dinfer_rt.load_model(path, backend="cuda")
-    assert rows.per_row_error(model, dinfer_rt.load_model(path, backend="cpu")) <= 1e-5
+    assert per_row_windows.per_row_error(model, dinfer_rt.load_model(path, backend="cpu")) <= 1e-5

@@ -17,7 +17,7 @@ from dinfer_rt.errors import GenerationError
 from dinfer_rt.llm import LLM
 from dinfer_rt.sampling import SamplingParams
 from dinfer_rt.stopping import streamable
-from dinfer_rt.testing import rows
+from dinfer_rt.testing import per_row_windows
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def embedded():
 @pytest.mark.parametrize("name", ["llada", "llada_gqa_sharded", "dream", "llada_moe", "llada2"])
 def test_per_row_windows_equal_single_row_forwards(ckpt_dir, name):
     model = dinfer_rt.load_model(ckpt_dir(name), backend="cpu")
-    assert rows.per_row_error(model, model) <= 1e-5
+    assert per_row_windows.per_row_error(model, model) <= 1e-5
 
 
 def test_per_row_graph_takes_a_row_index_and_refuses_bad_shapes(ckpt_dir):

@@ -93,8 +93,8 @@ def test_a_flavour_the_plugin_cannot_run_is_refused():
 @pytest.mark.parametrize("name", ["llada", "llada2"])
 def test_per_row_query_windows_match_cpu(ckpt_dir, name):
     """Continuous batching's per-row token_index [B, T]: a (row, slot) ScatterND and a per-row mask."""
-    from dinfer_rt.testing import rows
+    from dinfer_rt.testing import per_row_windows
 
     path = ckpt_dir(name)
     model = dinfer_rt.load_model(path, backend="onnxruntime")
-    assert rows.per_row_error(model, dinfer_rt.load_model(path, backend="cpu")) <= 1e-5
+    assert per_row_windows.per_row_error(model, dinfer_rt.load_model(path, backend="cpu")) <= 1e-5

@@ -167,7 +167,7 @@ def test_confidence_head_never_builds_the_probability_tensor():
     """An LLaDA-8B-shaped denoising step (block of 32 masked positions, vocab 126,464), weights on
     the meta device: fusing the LM head with the confidence reduction lowers the simulated peak by
     at least the float32 [32 x 126464] tensor the unfused graph materialises."""
-    from dinfer_rt.layouts import LLADA_8B
+    from dinfer_rt.config_writers import LLADA_8B
     from dinfer_rt.lowering import lower
     from dinfer_rt.passes import reorder
     from dinfer_rt.plugins import select_backend

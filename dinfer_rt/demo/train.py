@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dinfer_rt.config_writers import llada_config
 from dinfer_rt.demo import task
-from dinfer_rt.layouts import llada_config
 
 SPECIALS = ["<|endoftext|>", "<|startoftext|>", "<|mdm_mask|>", "<|unk|>"]
 EOS_ID, BOS_ID, MASK_ID, UNK_ID = range(4)

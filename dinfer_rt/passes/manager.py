@@ -13,8 +13,8 @@ import torch
 from dinfer_rt import envs
 from dinfer_rt.files import check_writable_dir, write_text_atomic
 from dinfer_rt.ir import Graph, IRError, Value
-from dinfer_rt.pages import page_out
 from dinfer_rt.passes import cleanup, fusion, reorder
+from dinfer_rt.resident_pages import page_out
 
 
 @dataclass(frozen=True)

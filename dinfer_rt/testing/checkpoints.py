@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dinfer_rt.layouts import llada_config, sdar_config
+from dinfer_rt.config_writers import llada_config, sdar_config
 
 MASK, EOS = 5, 1
 
@@ -99,7 +99,6 @@ def llada(
     """LLaDA-8B layout (``model.transformer.*``; ``ff_out`` both MLP down and LM head)."""
     g = torch.Generator().manual_seed(seed)
     kv = kv_heads or heads
-    hd = d // heads
     cfg = llada_config(
         d_model=d,
         n_layers=layers,
@@ -119,6 +118,13 @@ def llada(
         p + "ln_f.weight": _norm(g, d),
         p + "ff_out.weight": _rand(g, vocab, d),
     }
+    _llada_blocks(g, t, p, layers, d, heads, kv, mlp)
+    return save(path, cfg, t, shards, dtype)
+
+
+def _llada_blocks(g, t: dict, p: str, layers: int, d: int, heads: int, kv: int, mlp: int) -> None:
+    """LLaDA-8B's decoder blocks (``{p}blocks.{i}.*``), added to ``t``."""
+    hd = d // heads
     for i in range(layers):
         b = f"{p}blocks.{i}."
         t |= {
@@ -132,7 +138,6 @@ def llada(
             b + "up_proj.weight": _rand(g, mlp, d),
             b + "ff_out.weight": _rand(g, d, mlp),
         }
-    return save(path, cfg, t, shards, dtype)
 
 
 def illada(
@@ -152,7 +157,6 @@ def illada(
     tokenizer's mask here). Its real config keys are unpublished: this one names the model in
     ``architectures`` / ``model_type`` and otherwise uses LLaDA-8B's keys."""
     g = torch.Generator().manual_seed(seed)
-    hd = d // heads
     cfg = llada_config(
         d_model=d,
         n_layers=layers,
@@ -171,19 +175,7 @@ def illada(
     del cfg["mask_token_id"]
     p = "model.transformer."
     t = {p + "wte.weight": _rand(g, vocab, d, scale=1.0), p + "ln_f.weight": _norm(g, d)}
-    for i in range(layers):
-        b = f"{p}blocks.{i}."
-        t |= {
-            b + "attn_norm.weight": _norm(g, d),
-            b + "q_proj.weight": _rand(g, heads * hd, d),
-            b + "k_proj.weight": _rand(g, kv_heads * hd, d),
-            b + "v_proj.weight": _rand(g, kv_heads * hd, d),
-            b + "attn_out.weight": _rand(g, d, heads * hd),
-            b + "ff_norm.weight": _norm(g, d),
-            b + "ff_proj.weight": _rand(g, mlp, d),
-            b + "up_proj.weight": _rand(g, mlp, d),
-            b + "ff_out.weight": _rand(g, d, mlp),
-        }
+    _llada_blocks(g, t, p, layers, d, heads, kv_heads, mlp)
     return save(path, cfg, t, shards)
 
 
@@ -446,7 +438,7 @@ def sdar(
     """SDAR layout (Qwen3 tensor names: ``self_attn.{q,k,v,o}_proj``, per-head
     ``self_attn.{q,k}_norm``, ``mlp.*``); ``experts`` > 0 writes the SDARMoe variant (Qwen3-MoE
     names: ``mlp.gate``, ``mlp.experts.{e}.*``). head_dim is set apart from hidden / heads, as
-    Qwen3 allows. Config keys as the authors' config.json writes them (``layouts.sdar_config``)."""
+    Qwen3 allows. Config keys as the authors' config.json writes them (``config_writers.sdar_config``)."""
     g = torch.Generator().manual_seed(seed)
     moe = None
     if experts:

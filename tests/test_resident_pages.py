@@ -1,4 +1,4 @@
-"""dinfer_rt.pages: merged weights' memory-mapped sources are handed back, values unchanged."""
+"""dinfer_rt.resident_pages: merged weights' memory-mapped sources are handed back, values unchanged."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dinfer_rt.pages import page_out
+from dinfer_rt.resident_pages import page_out
 
 
 def _rss_file_mb() -> float:
