@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dinfer_rt import envs
 from dinfer_rt.errors import DinferError
-from dinfer_rt.files import check_writable_dir
+from dinfer_rt.files import check_output_file
 from dinfer_rt.sampling import CACHES, STRATEGIES, SamplingParams
 
 
@@ -38,8 +38,12 @@ def _int_in(low: int, high: int | None = None):
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", type=Path, default=None, help="model folder (default: $DINFER_MODEL or the embedded model)"
+        "--model",
+        type=Path,
+        default=None,
+        help="model folder, or a hub id ORG/NAME (default: $DINFER_MODEL or the embedded model)",
     )
+    _add_hub_args(p)
     p.add_argument("--backend", default=None, help="backend name[:flavour[:arch]] (default: $DINFER_BACKEND or auto)")
     p.add_argument("--dtype", default=None, help="auto (default: checkpoint dtype on a device, float32 on cpu), ...")
     p.add_argument(
@@ -53,6 +57,55 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="weight-only quantise the decoder projections at load (GPTQ checkpoints load as they are)",
     )
+
+
+def _add_hub_args(p: argparse.ArgumentParser, template: bool = True) -> None:
+    p.add_argument("--revision", default=None, help="hub ids: branch, tag or commit (default: main)")
+    p.add_argument(
+        "--download-dir", type=Path, default=None, help="hub ids: cache folder (default: the hub library's cache)"
+    )
+    if template:
+        p.add_argument(
+            "--chat-template-name",
+            default=None,
+            help="tokenizer_config.json with several named chat templates: which one (default: 'default')",
+        )
+
+
+def _resolve_model_args(a: argparse.Namespace) -> None:
+    """Turn ``--model`` (or ``$DINFER_MODEL``) into a local folder once, before any command runs:
+    a hub id is downloaded or found in the hub cache here (``dinfer_rt.hub``), so every later
+    step and every worker process sees a folder. ``a.hub_id`` keeps the id (the served name)."""
+    a.hub_id = None
+    if not hasattr(a, "model"):
+        return
+    from dinfer_rt.hub import is_hub_id
+    from dinfer_rt.loader import model_folder
+
+    given = str(a.model) if a.model is not None else envs.get(envs.DINFER_MODEL)
+    revision, download_dir = getattr(a, "revision", None), getattr(a, "download_dir", None)
+    if a.model is not None or revision is not None or download_dir is not None or given:
+        folder = model_folder(a.model if a.model is not None else given, revision, download_dir)
+        a.hub_id = given if given and is_hub_id(given) and folder != Path(given) else None
+        a.model = folder
+    name = getattr(a, "chat_template_name", None)
+    if name is not None:  # a name the tokenizer config does not have fails now, before the weights load
+        from dinfer_rt.loader import default_model_path
+        from dinfer_rt.tokenizer import select_chat_template, tokenizer_config
+
+        folder = a.model or default_model_path()
+        select_chat_template(folder, tokenizer_config(folder), name)
+
+
+def _choose_template(llm, a: argparse.Namespace):
+    """``--chat-template-name`` for commands that build an ``LLM`` from a path."""
+    name = getattr(a, "chat_template_name", None)
+    if name is not None:  # prompts are rendered in this process, also for worker pools
+        tok = llm.tokenizer if hasattr(llm, "tokenizer") else llm.model.tokenizer
+        if tok is None:
+            raise DinferError("--chat-template-name: this model was loaded without a tokenizer")
+        tok.choose_chat_template(name)
+    return llm
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -102,7 +155,7 @@ def _llm(a: argparse.Namespace):
 
         return LLM(load_sharded(a.model, a.rank, tp, a.backend, a.dtype, a.expert_parallel))
     a.rank = 0
-    return LLM(
+    llm = LLM(
         a.model,
         backend=a.backend,
         dtype=a.dtype,
@@ -112,6 +165,7 @@ def _llm(a: argparse.Namespace):
         data_parallel_size=dp,
         expert_parallel=getattr(a, "expert_parallel", False),
     )
+    return _choose_template(llm, a)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -178,7 +232,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     llm = LLM(
         a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights, quantization=a.quantization
     )
-    outs = llm.generate(a.prompts, _params(a))
+    _choose_template(llm, a)
+    outs = llm.generate(a.prompts, _params(a), allow_mask_in_prompt=a.allow_mask_in_prompt)
     for o in outs:
         if a.json:
             print(json.dumps({"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids, **asdict(o.stats)}))
@@ -195,7 +250,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def _generate_tensor_parallel(a: argparse.Namespace) -> int:
     """N worker processes, one shard each (gloo on the CPU, the backend's library on devices)."""
     from dinfer_rt import parallel
-    from dinfer_rt.llm import generate_on_rank, generate_parallel
+    from dinfer_rt.llm import generate_on_rank
     from dinfer_rt.loader import default_model_path
     from dinfer_rt.spec import parse_spec
 
@@ -208,11 +263,12 @@ def _generate_tensor_parallel(a: argparse.Namespace) -> int:
         outs = generate_on_rank(rank, world, a.model, a.prompts, _params(a), a.backend, a.dtype, a.expert_parallel)
         if rank != 0:
             return 0
-    else:
-        outs = generate_parallel(
-            a.model, a.prompts, _params(a), tensor_parallel_size=world, data_parallel_size=a.data_parallel_size,
-            expert_parallel=a.expert_parallel, backend=a.backend, dtype=a.dtype,
-        )  # fmt: skip
+    else:  # worker processes this LLM starts (kept for its life: here, one call)
+        llm = _llm(a)
+        try:
+            outs = llm.generate(a.prompts, _params(a), allow_mask_in_prompt=a.allow_mask_in_prompt)
+        finally:
+            llm.close()
     for prompt, o in zip(a.prompts, outs):
         print(json.dumps({"prompt": prompt, "text": o.text, "token_ids": o.token_ids}) if a.json else o.text)
     return 0
@@ -220,13 +276,13 @@ def _generate_tensor_parallel(a: argparse.Namespace) -> int:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     from dinfer_rt.loader import load_model
-    from dinfer_rt.server import ServeConfig, serve
+    from dinfer_rt.server import ServeConfig, check_before_load, serve
 
     defaults = _params(a)
     config = ServeConfig(
         host=a.host,
         port=a.port,
-        model_name=a.served_model_name or (a.model.name if a.model else "dinfer-rt-embedded"),
+        model_name=a.served_model_name or a.hub_id or (a.model.name if a.model else "dinfer-rt-embedded"),
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_queue=a.max_queue,
@@ -234,23 +290,45 @@ def cmd_serve(a: argparse.Namespace) -> int:
         drain_timeout=a.drain_timeout,
         shutdown_after_requests=a.shutdown_after_requests,
         shutdown_after_s=a.shutdown_after_s,
+        max_request_bytes=a.max_request_bytes,
     )
-    if a.tensor_parallel_size > 1:
-        raise DinferError(
-            "serve --tensor-parallel-size: not built yet (ranks would have to step in lockstep); "
-            "serve --data-parallel-size M runs M one-device replicas"
-        )
+    check_before_load(config, a.model, a.backend, a.dtype, a.data_parallel_size)  # before any allocation
+    _check_serve_defaults(a.model, defaults, config)
     load = {"backend": a.backend, "dtype": a.dtype, "check_weights": not a.no_check_weights}
+    if a.chat_template_name is not None:
+        load["chat_template_name"] = a.chat_template_name
     load["quantization"] = a.quantization
-    if a.data_parallel_size > 1:
+    if a.data_parallel_size > 1 or a.tensor_parallel_size > 1:
         from dinfer_rt.replicas import ReplicaPool
         from dinfer_rt.server import engine_kwargs
 
         kwargs = engine_kwargs(config, defaults)
         kwargs.pop("max_queue")
-        pool = ReplicaPool(a.data_parallel_size, {"path": a.model, **load}, kwargs, max_queue=config.max_queue)
+        pool = ReplicaPool(
+            a.data_parallel_size, {"path": a.model, **load}, kwargs, max_queue=config.max_queue,
+            tp_size=a.tensor_parallel_size, expert_parallel=a.expert_parallel,
+        )  # fmt: skip
+        if a.chat_template_name is not None:  # the front end renders the chats: the same template as the replicas
+            pool.tokenizer.choose_chat_template(a.chat_template_name)
         return serve(pool, defaults, config)
     return serve(load_model(a.model, **load), defaults, config)
+
+
+def _check_serve_defaults(path, defaults: SamplingParams, config) -> None:
+    """The request settings a server applies by default, checked at start-up as the engine checks
+    every request: a default it would refuse is one error now, not a 400 on every request."""
+    from dinfer_rt.engine import check_request
+    from dinfer_rt.errors import GenerationError
+    from dinfer_rt.loader import default_model_path
+    from dinfer_rt.spec import parse_spec
+
+    spec = parse_spec(path or default_model_path())
+    max_len = min(config.max_model_len or spec.max_length, spec.max_length)
+    try:
+        spec.check_cache_policy(defaults.cache)
+        check_request([0], defaults, None, vocab=spec.vocab, max_model_len=max_len, has_tokenizer=True)
+    except GenerationError as e:
+        raise DinferError(f"serve: every request would be refused with these defaults: {e}") from None
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
@@ -261,7 +339,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
         scorer(a.metric, a.regex)  # a bad metric, pattern or data file is refused before the model loads
         read_items(a.data, a.prompt_field, a.answer_field, a.limit)
         if a.output is not None:
-            check_writable_dir(a.output.parent, "--output folder")
+            check_output_file(a.output, "--output")
     elif a.limit is not None and a.limit > 1000:
         raise DinferError(f"eval --limit {a.limit}: the held-out set has 1000 items")
     llm = _llm(a)
@@ -321,7 +399,6 @@ def _eval_data(llm, a: argparse.Namespace) -> int:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     """Per-step latency percentiles, tokens/s and peak memory for one configuration."""
-    from dinfer_rt.demo import task
     from dinfer_rt.validation.perf import measure
 
     params = _params(a)
@@ -330,7 +407,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
         if a.data_parallel_size > 1 or a.quantization is not None:
             raise DinferError("bench --tensor-parallel-size: one TP group, unquantised (no --data-parallel-size)")
-        args = (a.model, a.batch_size, params, a.warmup, a.iters, a.backend, a.dtype, a.expert_parallel)
+        source = (a.data, a.prompt_len)
+        args = (a.model, a.batch_size, params, a.warmup, a.iters, a.backend, a.dtype, a.expert_parallel, source)
         rank = _torchrun_rank(a)
         if rank is None:
             result = parallel.launch(a.tensor_parallel_size, bench_on_rank, *args, backend=a.backend)
@@ -340,7 +418,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                 return 0
     else:
         llm = _llm(a)
-        prompts = [llm.encode(it.letters, params.chat) for it in task.heldout(a.batch_size)]
+        prompts = bench_prompts(llm, a.batch_size, params, (a.data, a.prompt_len))
         result = measure(llm.model, prompts, params, a.warmup, a.iters)
     if a.json:
         print(json.dumps(result))
@@ -349,18 +427,44 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
-def bench_on_rank(
-    rank: int, world: int, path, n_prompts: int, params, warmup: int, iters: int, backend, dtype, expert_parallel=False
-):
-    """``dinfer-rt bench`` on rank ``rank``'s shard: every rank runs the measured forwards."""
+def bench_prompts(llm, n: int, params, source: tuple) -> list[list[int]]:
+    """The prompts ``bench`` measures: ``--data`` FILE's (its ``prompt`` field), ``--prompt-len``
+    random in-vocabulary ids (seeded; never the mask token), or the embedded task's prompts,
+    which only the embedded model reads as text."""
+    import torch
+
     from dinfer_rt.demo import task
+    from dinfer_rt.evaluation import read_items
+    from dinfer_rt.loader import default_model_path
+
+    data, prompt_len = source
+    if data is not None:
+        items = read_items(data, "prompt", "prompt", limit=n)
+        return [llm.encode(items[i % len(items)].prompt, params.chat) for i in range(n)]
+    if prompt_len is not None:
+        g = torch.Generator().manual_seed(0)
+        vocab, mask = llm.model.spec.vocab, llm.model.mask_id
+        ids = torch.randint(0, vocab - 1, (n, prompt_len), generator=g)
+        return (ids + (ids >= mask).long()).tolist()  # every id but the mask token
+    if Path(llm.model.path).resolve() != Path(default_model_path()).resolve():
+        raise DinferError(
+            f"bench: the embedded task's prompts fit only the embedded model, not {llm.model.path}; "
+            "give --data FILE.jsonl (a 'prompt' field per line) or --prompt-len N"
+        )
+    return [llm.encode(it.letters, params.chat) for it in task.heldout(n)]
+
+
+def bench_on_rank(
+    rank: int, world: int, path, n_prompts: int, params, warmup: int, iters: int, backend, dtype,
+    expert_parallel=False, source: tuple = (None, None),
+):  # fmt: skip
+    """``dinfer-rt bench`` on rank ``rank``'s shard: every rank runs the measured forwards."""
     from dinfer_rt.llm import LLM
     from dinfer_rt.parallel import load_sharded
     from dinfer_rt.validation.perf import measure
 
     llm = LLM(load_sharded(path, rank, world, backend, dtype, expert_parallel))
-    prompts = [llm.encode(it.letters, params.chat) for it in task.heldout(n_prompts)]
-    return measure(llm.model, prompts, params, warmup, iters)
+    return measure(llm.model, bench_prompts(llm, n_prompts, params, source), params, warmup, iters)
 
 
 def cmd_validate(a: argparse.Namespace) -> int:
@@ -368,9 +472,9 @@ def cmd_validate(a: argparse.Namespace) -> int:
     from dinfer_rt.validation.markdown import render
     from dinfer_rt.validation.runner import validate
 
-    for target in (a.json, a.markdown):  # an unwritable report path fails now, not after the run
+    for flag, target in (("--json", a.json), ("--markdown", a.markdown)):  # unwritable: fails now, not after
         if target:
-            check_writable_dir(Path(target).parent, "report folder")
+            check_output_file(target, f"{flag} report")
 
     report = validate(a.backends, quick=a.quick, dtypes=a.dtypes)
     if a.json:
@@ -504,7 +608,7 @@ def cmd_env(a: argparse.Namespace) -> int:
             print(f"  {k}: {v}")
     print("environment:")
     for k in envs.ALL:
-        print(f"  {k}={envs.get(k) or ''}")
+        print(f"  {k}={os.environ.get(k) or ''}")  # as set, even a value other commands refuse
     return 0
 
 
@@ -515,6 +619,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("prompts", nargs="+")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    g.add_argument(
+        "--allow-mask-in-prompt", action="store_true", help="let a prompt hold the mask token (infilling on purpose)"
+    )
     _add_parallel_args(g)
     _add_model_args(g)
     _add_sampling_args(g)
@@ -533,12 +640,23 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--shutdown-after-requests", type=_int_in(1), default=None, help="exit after N answers (tests)")
     sv.add_argument("--shutdown-after-s", type=float, default=None, help="exit after S seconds (tests)")
     sv.add_argument(
+        "--max-request-bytes",
+        type=_int_in(1),
+        default=4 * 1024 * 1024,
+        help="largest request body accepted (default 4 MiB); past it: 413",
+    )
+    sv.add_argument(
         "--data-parallel-size",
         type=_int_in(1),
         default=1,
-        help="M engine replicas (processes, one device each)",
+        help="M engine replicas (processes; each --tensor-parallel-size ranks, one device per rank)",
     )
-    sv.add_argument("--tensor-parallel-size", type=_int_in(1), default=1, help=argparse.SUPPRESS)
+    sv.add_argument(
+        "--tensor-parallel-size", type=_int_in(1), default=1, help="shard each replica over N rank processes"
+    )
+    sv.add_argument(
+        "--expert-parallel", action="store_true", help="MoE layers: split whole experts over the ranks (E/N each)"
+    )
     _add_model_args(sv)
     _add_sampling_args(sv)
     sv.set_defaults(func=cmd_serve)
@@ -550,7 +668,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--answer-field", default="answer", help="--data: the reference answer's field name")
     e.add_argument("--metric", default="exact", help="--data: exact, contains or regex")
     e.add_argument("--regex", default=None, help="--data, metric regex: pattern whose group 1 is the answer")
-    e.add_argument("--output", type=Path, default=None, help="--data: write per-item results here (JSONL)")
+    e.add_argument(
+        "--output", type=Path, default=None, help="--data: write per-item results here (JSONL; - for standard output)"
+    )
     e.add_argument(
         "--json",
         action="store_true",
@@ -564,6 +684,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--warmup", type=_int_in(0), default=1)
     k.add_argument("--iters", type=_int_in(1), default=3)
     k.add_argument("--json", action="store_true")
+    src = k.add_mutually_exclusive_group()
+    src.add_argument("--data", type=Path, default=None, help="JSONL file whose 'prompt' fields are measured")
+    src.add_argument("--prompt-len", type=_int_in(1), default=None, help="random prompts of N token ids")
     _add_model_args(k)
     _add_sampling_args(k)
     _add_parallel_args(k)
@@ -585,7 +708,8 @@ def build_parser() -> argparse.ArgumentParser:
     kc.add_argument("--json", action="store_true")
     kc.set_defaults(func=cmd_kernels)
     i = sub.add_parser("ir", help="print the IR graph of a model (from its config.json)")
-    i.add_argument("--model", type=Path, default=None)
+    i.add_argument("--model", type=Path, default=None, help="model folder or hub id ORG/NAME")
+    _add_hub_args(i, template=False)
     i.add_argument("--dtype", default=None)
     i.add_argument("--cached", action="store_true", help="the KV-cache variant of the graph")
     i.add_argument("--block-size", type=_int_in(1), default=None, help="block-causal block size (LLaDA2)")
@@ -603,6 +727,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     finished = False
     try:
+        _resolve_model_args(args)
         code = args.func(args)
         finished = True
         return code

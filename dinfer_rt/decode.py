@@ -253,7 +253,7 @@ class Cohort:
                     return False
                 self._start_block()
                 continue
-            if self.step >= 4 * p.block_length + self.per_block:  # safety cap: every rule commits >= 1 per step
+            if self.step >= p.max_block_steps():  # safety cap: every rule commits >= 1 per step
                 raise GenerationError(f"block [{self.s}, {self.e}) did not finish in {self.step} steps")
             self.masked = is_mask & ~self.done[:, None] if self.any_done else is_mask
             self.quota = self.plan[:, min(self.step, self.per_block - 1)] if self.scheduled else self._ones

@@ -152,7 +152,12 @@ class Engine:
             raise GenerationError("Engine: max_num_seqs and max_num_batched_tokens must be >= 1, max_queue >= 0")
         self.model = model
         self.max_num_seqs, self.max_num_batched_tokens, self.max_queue = max_num_seqs, max_num_batched_tokens, max_queue
-        self.max_model_len = min(max_model_len or model.spec.max_length, model.spec.max_length)
+        if max_model_len is not None and not 1 <= max_model_len <= model.spec.max_length:
+            raise GenerationError(
+                f"Engine: max_model_len {max_model_len} must be in [1, {model.spec.max_length}] "
+                "(the model's max length)"
+            )
+        self.max_model_len = max_model_len or model.spec.max_length
         self.block_size = (block_length or SamplingParams().block_length) if model.spec.block_causal else None
         self.mask_id, self.eos = model.mask_id, set(model.eos_ids)
         # + a scratch slot that per-row padding queries write; from the model's pool, so a

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from dinfer_rt.errors import DinferError
+
 DINFER_BACKEND = "DINFER_BACKEND"
 """Backend choice, ``name[:flavour[:arch]]``; unset means auto-detect. Written back once resolved."""
 DINFER_PLUGINS = "DINFER_PLUGINS"
@@ -56,25 +58,96 @@ ALL = (
 )
 
 
+# Boolean variables and their value when unset. Each accepts only 0 / 1 / true / false (any case).
+BOOLEANS = {
+    DINFER_DISABLE_PLUGIN_AUTOLOAD: False,
+    DINFER_TRACE_PLUGINS: False,
+    DINFER_INTERPRET: False,
+    DINFER_AUTOTUNE: False,
+    DINFER_GRAPHS: False,
+    DINFER_CPU_NATIVE: True,
+}
+_TRUE, _FALSE = ("1", "true"), ("0", "false")
+SHOWN_CHARS = 80  # an error echoes at most this much of a value
+
+
+def shown(value: str, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)``, cut to ``limit`` characters with the full length said (errors never echo
+    a very long value in full)."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
 def _interpret_triton_early() -> None:
     """Triton reads TRITON_INTERPRET when ``triton.language`` is first imported, so DINFER_INTERPRET=1
-    must be mirrored into it before anything imports triton: done when dinfer_rt is imported."""
-    if (os.environ.get(DINFER_INTERPRET) or "0").strip().lower() in ("1", "true", "yes", "on"):
+    must be mirrored into it before anything imports triton: done when dinfer_rt is imported
+    (a value other than the booleans is refused by :func:`check` / :func:`flag`, not here)."""
+    if (os.environ.get(DINFER_INTERPRET) or "0").strip().lower() in _TRUE:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def get(name: str) -> str | None:
+    """The variable's value (None when unset or empty). ``DINFER_MODEL``, when it is spelt as a
+    path rather than a hub id (``ORG/NAME``), must name a folder: else an error naming it."""
     value = os.environ.get(name)
-    return value if value not in (None, "") else None
+    if value in (None, ""):
+        return None
+    if name == DINFER_MODEL:
+        _check_model_path(value)
+    return value
 
 
-def flag(name: str) -> bool:
-    return (get(name) or "0").strip().lower() in ("1", "true", "yes", "on")
+def _check_model_path(value: str) -> None:
+    try:
+        from dinfer_rt.hub import is_hub_id
+    except ImportError:  # no hub support: every value is a path
+
+        def is_hub_id(_text: str) -> bool:
+            return False
+
+    path = os.path.expanduser(value)
+    if not os.path.exists(path) and not is_hub_id(value):
+        raise DinferError(f"{DINFER_MODEL}={shown(value)}: no such model folder (unset it for the embedded model)")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise DinferError(f"{DINFER_MODEL}={shown(value)} is not a folder; it must name a model folder (config.json)")
+
+
+def flag(name: str, default: bool | None = None) -> bool:
+    """A boolean variable: ``1`` / ``true`` or ``0`` / ``false`` (any case, surrounding blanks
+    ignored); unset or empty is ``default`` (else the variable's own default, else False). Any
+    other value is an error naming the variable and the accepted values."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return BOOLEANS.get(name, False) if default is None else default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise DinferError(f"{name}={shown(raw)} is not a boolean; use 1, 0, true or false (any case)")
+
+
+def check() -> None:
+    """Refuse a malformed value of any boolean variable that is set (done once, when the plugins
+    load, so a typo is an error even where the variable would only be read later or never)."""
+    for name in BOOLEANS:
+        flag(name)
 
 
 def plugin_allowlist() -> set[str] | None:
+    """The plugin names ``DINFER_PLUGINS`` allows (None: unset, load all). A value that names no
+    plugin (``,,,``) is an error naming the variable."""
     raw = get(DINFER_PLUGINS)
-    return None if raw is None else {p.strip() for p in raw.split(",") if p.strip()}
+    if raw is None:
+        return None
+    names = {p.strip() for p in raw.split(",") if p.strip()}
+    if not names:
+        raise DinferError(
+            f"{DINFER_PLUGINS}={shown(raw)} names no plugin; give comma-separated plugin names (e.g. cpu) "
+            "or unset it to load every installed plugin"
+        )
+    return names
 
 
 def snapshot() -> dict[str, str]:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dinfer_rt.errors import DinferError
-from dinfer_rt.files import check_writable_dir, write_text_atomic
+from dinfer_rt.files import check_output_file, write_text_atomic
 
 METRICS = ("exact", "contains", "regex")
 
@@ -122,7 +122,7 @@ def evaluate_file(
     score = scorer(metric, pattern)  # a bad metric or regex fails before any compute
     items = read_items(path, prompt_field, answer_field, limit)
     if output is not None:
-        check_writable_dir(Path(output).parent, "output folder")
+        check_output_file(output, "output")
     start = time.perf_counter()
     outs = llm.generate([it.prompt for it in items], params, progress=progress)
     wall = time.perf_counter() - start

@@ -16,8 +16,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from dinfer_rt.errors import DinferError
+from dinfer_rt.errors import DinferError, TokenizerError
 from dinfer_rt.sampling import MAX_STOP, SamplingParams
+from dinfer_rt.tokenizer import refuse_mask_token
 
 
 class ApiError(Exception):
@@ -36,25 +37,28 @@ DIFFUSION_FIELDS = (
     "strategy threshold factor low_threshold credit_decay credit_boost credit_alpha cache block_length steps "
     "vicinity_before vicinity_after vicinity_warmup refresh_bound refresh_window confidence_head sync_every"
 ).split()
-# OpenAI fields that are accepted only at their neutral value (anything else would be ignored silently).
-_NEUTRAL = {
-    "top_p": 1,
-    "frequency_penalty": 0,
-    "presence_penalty": 0,
-    "best_of": 1,
-    "echo": False,
-    "logprobs": None,
-    "top_logprobs": None,
-    "logit_bias": None,
-    "suffix": None,
-    "tools": None,
-    "tool_choice": None,
-    "response_format": None,
+# OpenAI fields that are accepted only at a neutral value (anything else would be ignored silently):
+# null, or one of the values clients send by default.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "top_p": (1,),
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "best_of": (1,),
+    "echo": (False,),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "suffix": ("",),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "response_format": ({"type": "text"},),
 }
+SHOWN_CHARS = 80  # an error echoes at most this much of a client's value
 _COMMON = {"model", "max_tokens", "temperature", "seed", "stop", "stream", "stream_options", "n", "user"}
 _COMMON |= {"return_canvas", *DIFFUSION_FIELDS, *_NEUTRAL}
+_COMMON |= {"allow_mask_in_prompt"}  # infilling on purpose: the prompt may hold the mask token
 COMPLETION_FIELDS = _COMMON | {"prompt"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 ROLES = ("system", "user", "assistant")
 
 
@@ -75,12 +79,32 @@ def _type_name(v: Any) -> str:
     return type(v).__name__
 
 
+def _shown(v: Any) -> str:
+    """``repr(v)`` cut to SHOWN_CHARS characters (an error does not echo a huge value in full)."""
+    text = repr(v)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+
+
+def _neutral(value: Any, accepted: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is null or one of ``accepted`` (a bool matches only a bool: ``true`` is no ``1``)."""
+    if value is None:
+        return True
+    for a in accepted:
+        if isinstance(value, bool) or isinstance(a, bool):
+            if value is a:
+                return True
+        elif type(value) is type(a) or (isinstance(value, (int, float)) and isinstance(a, (int, float))):
+            if value == a:
+                return True
+    return False
+
+
 def _int(body: dict, name: str, low: int, high: int | None = None) -> int | None:
     v = body.get(name)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(400, f"'{name}' must be an integer, got {_type_name(v)} {v!r}", name)
+        raise ApiError(400, f"'{name}' must be an integer, got {_type_name(v)} {_shown(v)}", name)
     if v < low or (high is not None and v > high):
         span = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ApiError(400, f"'{name}' must be {span}, got {v}", name)
@@ -90,26 +114,42 @@ def _int(body: dict, name: str, low: int, high: int | None = None) -> int | None
 def _bool(body: dict, name: str) -> bool | None:
     v = body.get(name)
     if v is not None and not isinstance(v, bool):
-        raise ApiError(400, f"'{name}' must be a boolean, got {_type_name(v)} {v!r}", name)
+        raise ApiError(400, f"'{name}' must be a boolean, got {_type_name(v)} {_shown(v)}", name)
     return v
 
 
-def parse(body: Any, *, chat: bool, tokenizer, defaults: SamplingParams, model_name: str, max_len: int) -> Submission:
-    """Validate an OpenAI completions / chat-completions body (``chat``) against the served model."""
+def parse(
+    body: Any,
+    *,
+    chat: bool,
+    tokenizer,
+    defaults: SamplingParams,
+    model_name: str,
+    max_len: int,
+    chars_per_token: int | None = None,
+    mask_id: int | None = None,
+) -> Submission:
+    """Validate an OpenAI completions / chat-completions body (``chat``) against the served model.
+
+    ``chars_per_token``: the most characters one token of the tokenizer covers; when given, a text
+    prompt longer than ``max_len`` tokens could hold is refused before it is tokenised. ``mask_id``:
+    the model's mask token, refused in the prompt unless ``allow_mask_in_prompt`` is true."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_type_name(body)}")
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise ApiError(
-            400, f"unknown field '{unknown[0]}'; accepted: {', '.join(sorted(allowed))}", unknown[0]
-        )  # fmt: skip
+        name = _shown(unknown[0])
+        raise ApiError(400, f"unknown field {name}; accepted: {', '.join(sorted(allowed))}", unknown[0][:SHOWN_CHARS])
     for name, neutral in _NEUTRAL.items():
-        if name in body and body[name] is not None and body[name] != neutral:
-            raise ApiError(400, f"'{name}' is not supported by this server (only {neutral!r})", name)
+        if name in body and not _neutral(body[name], neutral):
+            only = " or ".join(repr(v) for v in (None, *neutral))
+            raise ApiError(400, f"'{name}' {_shown(body[name])} is not supported by this server (only {only})", name)
     model = body.get("model")
     if model is not None and model != model_name:
-        raise ApiError(404, f"model '{model}' does not exist; this server serves '{model_name}'", "model", "not_found")
+        raise ApiError(
+            404, f"model {_shown(model)} does not exist; this server serves '{model_name}'", "model", "not_found"
+        )
     n = _int(body, "n", 1)
     if n is not None and n != 1:
         raise ApiError(400, f"'n' must be 1 (one choice per request), got {n}", "n")
@@ -117,18 +157,27 @@ def parse(body: Any, *, chat: bool, tokenizer, defaults: SamplingParams, model_n
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise ApiError(400, "'stream_options' must be an object with only 'include_usage'", "stream_options")
-    if options is not None and not stream:
-        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
-    include_usage = bool(options and options.get("include_usage"))
     if options and not isinstance(options.get("include_usage", False), bool):
         raise ApiError(400, "'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
+    include_usage = bool(options and options.get("include_usage"))
+    if include_usage and not stream:  # without include_usage the options ask for nothing: accepted
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
     canvas = bool(_bool(body, "return_canvas"))
     if canvas and not stream:
         raise ApiError(400, "'return_canvas' streams the canvas each step: it needs 'stream': true", "return_canvas")
 
     if tokenizer is None:
         raise ApiError(400, "this model was loaded without a tokenizer: text requests cannot be served")
-    ids = _chat_prompt(body, tokenizer) if chat else _completion_prompt(body, tokenizer)
+    ids = (
+        _chat_prompt(body, tokenizer, max_len, chars_per_token)
+        if chat
+        else _completion_prompt(body, tokenizer, max_len, chars_per_token)
+    )
+    where = "messages" if chat else "prompt"
+    try:
+        refuse_mask_token(ids, mask_id, f"'{where}'", bool(_bool(body, "allow_mask_in_prompt")))
+    except DinferError as e:
+        raise ApiError(400, str(e), where) from None
 
     fields: dict[str, Any] = {}
     for name in DIFFUSION_FIELDS:
@@ -193,14 +242,40 @@ def _stop(stop: Any) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _completion_prompt(body: dict, tokenizer) -> list[int]:
+def _too_long(field: str, chars: int, max_len: int, chars_per_token: int | None) -> None:
+    """Refuse text that cannot fit ``max_len`` tokens, from its length alone (before tokenising:
+    tokenising a huge prompt is the expensive part). A token covers at most ``chars_per_token``
+    characters, so ``chars / chars_per_token`` tokens is a lower bound."""
+    if chars_per_token and chars > max_len * chars_per_token:
+        raise ApiError(
+            400,
+            f"'{field}' is {chars} characters: at least {-(-chars // chars_per_token)} tokens, past the max model "
+            f"length {max_len}",
+            field,
+        )
+
+
+def _encode(tokenizer, text: str, field: str) -> list[int]:
+    """Tokenise ``text``; text the tokenizer cannot encode is a 400 naming ``field`` and the characters."""
+    try:
+        return tokenizer.encode(text)
+    except TokenizerError as e:  # "prompt 'ab C' has text the tokenizer does not know: [' ', 'C']"
+        raise ApiError(400, f"'{field}' {str(e).removeprefix('prompt ')}", field) from None
+
+
+def _completion_prompt(body: dict, tokenizer, max_len: int, chars_per_token: int | None) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ApiError(400, "'prompt' is empty", "prompt")
-        return tokenizer.encode(prompt)
+        _too_long("prompt", len(prompt), max_len, chars_per_token)
+        return _encode(tokenizer, prompt, "prompt")
+    if isinstance(prompt, list) and len(prompt) >= max_len:
+        raise ApiError(
+            400, f"the prompt is {len(prompt)} tokens; the max model length is {max_len}: no room to generate", "prompt"
+        )
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
         if bad:
@@ -211,7 +286,7 @@ def _completion_prompt(body: dict, tokenizer) -> list[int]:
     raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
 
 
-def _chat_prompt(body: dict, tokenizer) -> list[int]:
+def _chat_prompt(body: dict, tokenizer, max_len: int, chars_per_token: int | None) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
@@ -221,7 +296,8 @@ def _chat_prompt(body: dict, tokenizer) -> list[int]:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ApiError(400, f"'{where}' must be an object with 'role' and 'content'", where)
         if m["role"] not in ROLES:
-            raise ApiError(400, f"'{where}.role' {m['role']!r} must be one of {', '.join(ROLES)}", f"{where}.role")
+            role = _shown(m["role"])
+            raise ApiError(400, f"'{where}.role' {role} must be one of {', '.join(ROLES)}", f"{where}.role")
         content = m["content"]
         if isinstance(content, list):  # content parts: text only
             if not all(
@@ -234,11 +310,38 @@ def _chat_prompt(body: dict, tokenizer) -> list[int]:
         turns.append({"role": m["role"], "content": content})
     if not tokenizer.chat_template:
         raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
+    _too_long("messages", sum(len(t["content"]) for t in turns), max_len, chars_per_token)
     try:
-        text = tokenizer.apply_chat_template(turns)
+        text = tokenizer.apply_chat_template(turns, **_template_kwargs(body))
     except DinferError as e:
         raise ApiError(400, f"the chat template could not render these messages: {e}", "messages") from None
-    return tokenizer.encode(text)
+    try:
+        return tokenizer.encode(text)
+    except TokenizerError:  # name the message whose text it is (the template's own text is the model's)
+        for i, t in enumerate(turns):
+            _encode(tokenizer, t["content"], f"messages[{i}].content")
+        raise ApiError(400, "the chat template renders text the tokenizer cannot encode", "messages") from None
+
+
+def _template_kwargs(body: dict) -> dict[str, Any]:
+    """``chat_template_kwargs`` (vLLM's field): extra variables for the chat template, e.g.
+    ``{"enable_thinking": false}`` for SDAR / Qwen3-style templates."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ApiError(
+            400, f"'chat_template_kwargs' must be an object, got {_type_name(kwargs)}", "chat_template_kwargs"
+        )
+    for key in kwargs:
+        if not key.isidentifier() or key in ("messages", "add_generation_prompt", "tools", "documents"):
+            raise ApiError(
+                400,
+                f"'chat_template_kwargs' key {_shown(key)} cannot be set: it must be a name the template reads, "
+                "other than messages, add_generation_prompt, tools, documents",
+                "chat_template_kwargs",
+            )
+    return kwargs
 
 
 # ---------------------------------------------------------------- responses

@@ -197,12 +197,13 @@ def registry() -> Registry:
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(BackendHookSpec)
     reg = Registry({}, {}, [], pm)
+    envs.check()  # every boolean DINFER_* variable holds 0 / 1 / true / false
     allow = envs.plugin_allowlist()
     builtins_only = envs.flag(envs.DINFER_DISABLE_PLUGIN_AUTOLOAD)
     found = list(entry_points(group=ENTRY_POINT_GROUP))
     if allow is not None and (missing := allow - {ep.name for ep in found}):
         raise BackendError(
-            f"{envs.DINFER_PLUGINS} names plugin(s) not installed: {', '.join(sorted(missing))}; "
+            f"{envs.DINFER_PLUGINS} names plugin(s) not installed: {_listed(sorted(missing))}; "
             f"installed: {', '.join(sorted(ep.name for ep in found)) or 'none'}"
         )
     for ep in found:
@@ -238,6 +239,14 @@ def registry() -> Registry:
             reg.backends[cls.name] = cls
             reg.plugin_of[cls.name] = plugin
     return reg
+
+
+def _listed(names: list[str]) -> str:
+    """Names joined by commas, cut to envs.SHOWN_CHARS characters (a long value is not echoed in full)."""
+    text = ", ".join(names)
+    if len(text) <= envs.SHOWN_CHARS:
+        return text
+    return f"{text[: envs.SHOWN_CHARS]}... ({len(names)} name(s), {len(text)} characters)"
 
 
 def contributions(backend: Backend) -> Contributions:
@@ -287,7 +296,14 @@ def describe_all() -> str:
     for f in reg.failures:
         where = "not loaded" if f.hook is None else f"failed in {f.hook}"
         lines.append(f"  plugin {f.name}: {where} ({f.reason})")
-    return "\n".join(lines) or "  (no backend plugins found: is dinfer-rt installed?)"
+    if lines:
+        return "\n".join(lines)
+    allow = os.environ.get(envs.DINFER_PLUGINS)
+    if allow and allow.strip():
+        return f"  (no backend plugin loaded: {envs.DINFER_PLUGINS}={envs.shown(allow)} allows none that registers one)"
+    if envs.flag(envs.DINFER_DISABLE_PLUGIN_AUTOLOAD):
+        return f"  (no backend plugin loaded: {envs.DINFER_DISABLE_PLUGIN_AUTOLOAD} is set)"
+    return "  (no backend plugins found: is dinfer-rt installed?)"
 
 
 def parse_choice(raw: str, source: str) -> tuple[str, str, str]:
@@ -295,7 +311,9 @@ def parse_choice(raw: str, source: str) -> tuple[str, str, str]:
     name, an empty trailing part or extra parts are an error naming ``source``."""
     parts = [p.strip() for p in raw.split(":")]
     if len(parts) > 3 or not parts[0] or not parts[-1]:
-        raise BackendError(f"backend choice {raw!r} from {source} is not name[:flavour[:arch]] (empty or extra parts)")
+        raise BackendError(
+            f"backend choice {envs.shown(raw)} from {source} is not name[:flavour[:arch]] (empty or extra parts)"
+        )
     name, flavour, arch = (parts + ["", ""])[:3]
     return name, flavour, arch
 
@@ -336,7 +354,7 @@ def select_backend(choice: str | None = None) -> Backend:
 
 
 def _source(choice: str | None) -> str:
-    return "the backend argument" if choice else f"{envs.DINFER_BACKEND}={os.environ.get(envs.DINFER_BACKEND)!r}"
+    return "the backend argument" if choice else f"{envs.DINFER_BACKEND}={envs.shown(os.environ[envs.DINFER_BACKEND])}"
 
 
 def _resolved(backend: Backend) -> Backend:

@@ -2,7 +2,8 @@
 
 A schedule is a comma-separated list of stages, tried in order at every forward of a block;
 the first whose condition holds picks the forward's weight format, and the last stage names the
-model's own precision (its dtype: ``fp32``, ``bf16``, ``fp16``, or ``full``):
+model's own precision (its dtype, spelt as ``--dtype`` accepts it: ``fp32`` / ``float32``, ``bf16`` /
+``bfloat16``, ``fp16`` / ``float16``, ``fp64`` / ``float64``, any case; or ``full``):
 
   ``int8@0.5,fp32``          int8 weights while more than half of the block is still masked
   ``fp8@0.75,int8@0.25,bf16`` fp8 above 75% masked, int8 above 25%, then the model's bf16
@@ -23,7 +24,16 @@ import torch
 from dinfer_rt.errors import GenerationError
 from dinfer_rt.quant import WEIGHT_FORMATS
 
-FULL_NAMES = {"full": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FULL_NAMES = {"full": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+# the long spellings ``--dtype`` also takes (dtypes.DTYPES) -> the short name a schedule reports
+_SPELLINGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+
+
+def full_name(name: str) -> str | None:
+    """The canonical last-stage name for ``name`` (``float32`` -> ``fp32``, any case), or None."""
+    key = name.strip().lower()
+    key = _SPELLINGS.get(key, key)
+    return key if key in FULL_NAMES else None
 
 
 @dataclass(frozen=True)
@@ -48,9 +58,12 @@ class PrecisionSchedule:
         if not isinstance(text, str) or not text.strip():
             raise bad("must be a non-empty string such as 'int8@0.5,fp32'")
         parts = [p.strip() for p in text.split(",")]
-        *low, full = parts
-        if full not in FULL_NAMES:
-            raise bad(f"the last stage {full!r} must name the model's precision: {', '.join(FULL_NAMES)}")
+        *low, last = parts
+        full = full_name(last)
+        if full is None:
+            spelt = {short: [short, *(k for k, v in _SPELLINGS.items() if v == short)] for short in FULL_NAMES}
+            names = ", ".join(n for names in spelt.values() for n in names)
+            raise bad(f"the last stage {last!r} must name the model's precision: {names}")
         if not low:
             raise bad("needs at least one low-precision stage before the last, e.g. 'int8@0.5,fp32'")
         stages = []

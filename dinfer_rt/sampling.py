@@ -18,24 +18,28 @@ STRATEGIES = (
     "maskgit_plus",
     "topk_margin",
     "entropy",
+    "low_confidence_dynamic",
 )
 MAX_STOP = 16
 CACHES = ("none", "prefix", "dual", "vicinity", "adaptive", "anchored", "delayed")
 
-# field -> (type, lower bound, upper bound, lower bound exclusive); None: unbounded
+# field -> (type, lower bound, upper bound, lower bound exclusive); None: unbounded. Floats that
+# scale logits (temperature, cfg_scale, credit_alpha) or enter a power (credit_boost) are bounded
+# well inside float16's range, so a finite value never overflows inside the computation (1e39
+# is finite in Python and inf in float32); factor compares against (n + 1) * (1 - c) < block + 1.
 _FIELD_RULES: dict[str, tuple[type, float | None, float | None, bool]] = {
     "gen_length": (int, 1, None, False),
     "block_length": (int, 1, None, False),
     "steps": (int, 1, None, False),
     "strategy": (str, None, None, False),
     "threshold": (float, 0, 1, True),
-    "factor": (float, 0, None, True),
+    "factor": (float, 0, 1_000_000, True),
     "low_threshold": (float, 0, 1, True),
     "credit_decay": (float, 0, 1, False),
-    "credit_boost": (float, 0, None, False),
-    "credit_alpha": (float, 0, None, False),
-    "temperature": (float, 0, None, False),
-    "cfg_scale": (float, 0, None, False),
+    "credit_boost": (float, 0, 100, False),
+    "credit_alpha": (float, 0, 100, False),
+    "temperature": (float, 0, 100, False),
+    "cfg_scale": (float, 0, 100, False),
     "cache": (str, None, None, False),
     "vicinity_before": (int, 0, None, False),
     "vicinity_after": (int, 0, None, False),
@@ -134,8 +138,16 @@ class SamplingParams:
         if self.gen_length % self.block_length:
             raise bad(f"gen_length {self.gen_length} is not a multiple of block_length {self.block_length}")
         blocks = self.gen_length // self.block_length
+        if self.steps is not None and self.steps > self.gen_length:  # also bounds the schedule's [B, steps] plan
+            raise bad(f"steps {self.steps} must be <= gen_length {self.gen_length}: every step commits a token")
         if self.steps is not None and self.steps % blocks:
             raise bad(f"steps {self.steps} must be a positive multiple of the {blocks} blocks")
+        if self.sync_every > (limit := self.max_block_steps()):
+            raise bad(
+                f"sync_every {self.sync_every} must be <= {limit}: a block runs at most {limit} steps "
+                f"(4 x block_length {self.block_length} + {self.steps_per_block()} steps per block), so its "
+                "completion would never be checked"
+            )
         if self.precision_schedule is not None:
             PrecisionSchedule.parse(self.precision_schedule)
         if self.cfg_scale > 0 and self.cache != "none":
@@ -148,6 +160,11 @@ class SamplingParams:
         if self.refresh_bound is not None:
             return self.refresh_bound
         return 16 if self.cache == "adaptive" else math.inf
+
+    def max_block_steps(self) -> int:
+        """The steps the scheduler lets one block take before it calls the block stuck (every rule
+        commits at least one token per step): 4 x block_length + steps per block."""
+        return 4 * self.block_length + self.steps_per_block()
 
     def steps_per_block(self) -> int:
         blocks = self.gen_length // self.block_length

@@ -16,20 +16,33 @@ SIGTERM stops admitting and finishes the running rows within ``drain_timeout`` s
 import asyncio
 import contextlib
 import json
+import math
 import signal
+import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
 from dinfer_rt.engine import Engine, EngineClosed, QueueFull, Request
-from dinfer_rt.errors import DinferError, GenerationError
+from dinfer_rt.errors import DinferError
 from dinfer_rt.model import Model
-from dinfer_rt.openai_protocol import ApiError, Submission, chunk, new_id, parse, response, usage, usage_chunk
+from dinfer_rt.openai_protocol import (
+    SHOWN_CHARS,
+    ApiError,
+    Submission,
+    chunk,
+    new_id,
+    parse,
+    response,
+    usage,
+    usage_chunk,
+)
 from dinfer_rt.sampling import SamplingParams
 from dinfer_rt.stopping import before_eos, streamable
 
 MASK_MARK = "\u2591"  # how a still-masked position is drawn in a streamed canvas
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 def _need_serve_extra():
@@ -57,6 +70,137 @@ class ServeConfig:
     drain_timeout: float = 30.0
     shutdown_after_requests: int | None = None  # exit once this many requests were answered (tests)
     shutdown_after_s: float | None = None  # exit after this many seconds (tests)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a bigger body is a 413 before it is parsed
+
+    def check(self) -> "ServeConfig":
+        """Every value's type and range (the CLI flag named), before a model is loaded or any
+        memory allocated; nothing is clamped. Returns ``self``."""
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_request_bytes"):
+            _check_int(name, getattr(self, name), 1)
+        _check_int("max_queue", self.max_queue, 0)
+        _check_int("port", self.port, 0, 65535)
+        for name in ("max_model_len", "shutdown_after_requests"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
+        _check_seconds("drain_timeout", self.drain_timeout, 0.0, MAX_DRAIN_S)
+        if self.shutdown_after_s is not None:
+            _check_seconds("shutdown_after_s", self.shutdown_after_s, 0.0, MAX_LIFETIME_S, low_open=True)
+        return self
+
+
+MAX_DRAIN_S = 24 * 3600.0  # --drain-timeout: a day
+MAX_LIFETIME_S = 365 * 24 * 3600.0  # --shutdown-after-s: a year (threading timers overflow far above)
+
+
+def _flag(name: str) -> str:
+    return f"{name} (--{name.replace('_', '-')})"
+
+
+def _check_int(name: str, v, low: int, high: int | None = None) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise DinferError(f"serve: {_flag(name)} must be an integer, got {type(v).__name__} {v!r}")
+    if v < low or (high is not None and v > high):
+        span = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise DinferError(f"serve: {_flag(name)} must be {span}, got {v}")
+
+
+def _check_seconds(name: str, v, low: float, high: float, low_open: bool = False) -> None:
+    span = f"{'(' if low_open else '['}{low:.0f}, {high:.0f}] seconds"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise DinferError(f"serve: {_flag(name)} must be a number in {span}, got {type(v).__name__} {v!r}")
+    if not math.isfinite(v) or v < low or (low_open and v == low) or v > high:
+        raise DinferError(f"serve: {_flag(name)} must be a finite number in {span}, got {v!r}")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def kv_pool_bytes(spec, dtype, max_num_seqs: int, max_model_len: int) -> int:
+    """Bytes of the engine's KV pool: K and V per layer, ``[max_num_seqs, max_model_len + 1,
+    n_kv_heads, head_dim]`` each (one position is the padding scratch slot)."""
+    import torch
+
+    item = torch.empty((), dtype=dtype).element_size()
+    return 2 * spec.n_layers * max_num_seqs * (max_model_len + 1) * spec.n_kv_heads * spec.head_dim * item
+
+
+def available_memory(device) -> int | None:
+    """Free memory where the KV pool would live: MemAvailable on the CPU, the free device memory
+    on CUDA / ROCm; None where unknown (other devices)."""
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as fh:
+                for line in fh:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
+    if device.type == "cuda":
+        import torch
+
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except Exception:  # no usable runtime here: unknown
+            return None
+    return None
+
+
+def check_pool(spec, dtype, device, config: ServeConfig, replicas: int = 1) -> int:
+    """The serving length (``--max-model-len``, else the model's ``max_sequence_length``) and the
+    KV pool it implies, before the pool is allocated: a length past the model's, or a pool larger
+    than the free memory, is an error naming both and the flags to change. Returns the length."""
+    length = config.max_model_len if config.max_model_len is not None else spec.max_length
+    if length > spec.max_length:
+        raise DinferError(f"serve: --max-model-len {length} exceeds the model's max_sequence_length {spec.max_length}")
+    if device is None:  # the length only
+        return length
+    need = replicas * kv_pool_bytes(spec, dtype, config.max_num_seqs, length)
+    free = available_memory(device)
+    if free is not None and need > free:
+        shape = (
+            f"{f'{replicas} replicas x ' if replicas > 1 else ''}2 x {spec.n_layers} layers x "
+            f"{config.max_num_seqs} rows x {length + 1} positions x "
+            f"{spec.n_kv_heads} KV heads x {spec.head_dim} x {dtype}"
+        )
+        source = "--max-model-len" if config.max_model_len is not None else "the model's max_sequence_length"
+        raise DinferError(
+            f"serve: the KV pool would need {_gib(need)} ({shape}) but {device.type} has {_gib(free)} free; "
+            f"lower --max-num-seqs ({config.max_num_seqs}) or --max-model-len ({length}, from {source})"
+        )
+    return length
+
+
+def check_before_load(config: ServeConfig, path=None, backend: str | None = None, dtype=None, replicas: int = 1):
+    """``dinfer-rt serve``'s checks before any weight is read: the configuration's values, the
+    serving length against the model's config.json, and on the CPU the KV pool(s) against the
+    free memory (on a device that is checked once the model is loaded, before the pool is)."""
+    from dinfer_rt.dtypes import resolve_dtype
+    from dinfer_rt.loader import auto_dtype, default_model_path
+    from dinfer_rt.plugins import select_backend
+    from dinfer_rt.spec import parse_spec
+
+    config.check()
+    spec = parse_spec(path or default_model_path())
+    chosen = select_backend(backend)
+    device = chosen.device()
+    if device.type != "cpu":  # reading a device's free memory would start its runtime in this process
+        check_pool(spec, None, None, config, replicas)
+        return
+    dt = auto_dtype(spec, chosen) if dtype in (None, "auto") else resolve_dtype(dtype)
+    check_pool(spec, dt, device, config, replicas)
+
+
+def chars_per_token(tok) -> int | None:
+    """The most characters one token's text has (a prompt of more than ``max_len`` times this
+    is refused before it is tokenised); None without a tokenizer."""
+    if tok is None:
+        return None
+    longest = 1
+    for i in range(tok.vocab_size):
+        longest = max(longest, len(tok.decode([i], skip_special_tokens=False)))
+    return longest
 
 
 class EngineLoop:
@@ -69,6 +213,7 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, metrics: "Metrics") -> None:
         self.engine, self.metrics = engine, metrics
+        self.failure: str | None = None  # why the loop stopped on its own (every replica died)
         self.wake = threading.Event()
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
@@ -86,7 +231,11 @@ class EngineLoop:
         while not self.stopped.is_set():
             if self.watch is not None and not self.watch.is_alive():
                 break
-            if not self.engine.has_work():
+            replicas = getattr(self.engine, "alive", None)  # worker processes (replicas / TP ranks)
+            if replicas is not None and not any(replicas):
+                self.failure = "every engine replica has died: " + self.engine.death_reason()
+                break
+            if not self.engine.has_work() and replicas is None:  # a replica pool's step waits for events itself
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue
@@ -205,12 +354,17 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
     is its :class:`EngineLoop`, started on its own thread with the app's lifespan when
     ``engine_thread`` (else the caller runs ``app.state.loop.run()``)."""
     fastapi, _, _ = _need_serve_extra()
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+    config.check()
+    if isinstance(model, Model):  # the pool is checked before it is allocated (replicas: in cmd_serve)
+        check_pool(model.spec, model.dtype, model.backend.device(), config)
     engine = Engine(model, **engine_kwargs(config, defaults)) if isinstance(model, Model) else model
     metrics = Metrics()
     loop_holder = EngineLoop(engine, metrics)
     tok = model.tokenizer
+    per_token = chars_per_token(tok)
+    mask_id = getattr(model, "mask_id", None)  # refused in prompts unless a request sets allow_mask_in_prompt
     eos = set(model.eos_ids)
     answered = {"n": 0}
     state = {"server": None}
@@ -225,8 +379,9 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
     app = fastapi.FastAPI(title="dinfer-rt", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.serve, app.state.loop = engine, metrics, state, loop_holder
 
-    def error(e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    def error(e: ApiError, headers: dict | None = None) -> Response:
+        # ASCII JSON: a client's lone surrogate echoed in a message stays encodable
+        return Response(json.dumps(e.body()), status_code=e.status, media_type="application/json", headers=headers)
 
     def count_answered() -> None:
         answered["n"] += 1
@@ -244,8 +399,8 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
             raise ApiError(429, f"{e}; retry later", None, "rate_limit_error") from None
         except EngineClosed as e:
             raise ApiError(503, str(e), None, "server_error") from None
-        except GenerationError as e:
-            raise ApiError(400, str(e), None) from None
+        except DinferError as e:  # the engine's admission checks: the request is at fault
+            raise ApiError(400, str(e), _param_of(str(e))) from None
         loop_holder.wake.set()
         return req
 
@@ -257,16 +412,28 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
         return ApiError(500, f"the engine step failed: {type(req.error).__name__}: {req.error}", None, "server_error")
 
     async def body_of(request) -> object:
-        try:
-            return await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        """The body, read up to ``max_request_bytes`` (past it: 413, the rest read and dropped so
+        the client gets the answer) and parsed as JSON on a worker thread."""
+        limit, size, parts = config.max_request_bytes, 0, []
+        async for part in request.stream():
+            size += len(part)
+            if size <= limit:
+                parts.append(part)
+            elif size > limit + _DRAIN_BYTES:  # stop reading a flood; the connection closes
+                break
+        if size > limit:
+            raise ApiError(
+                413, f"the request body is {size}{'+' if size > limit + _DRAIN_BYTES else ''} bytes; this server "
+                f"accepts at most {limit} (--max-request-bytes)", None,
+            )  # fmt: skip
+        return await asyncio.to_thread(_json_body, b"".join(parts))
 
     async def complete(request, chat: bool):
         try:
-            sub = parse(
-                await body_of(request), chat=chat, tokenizer=tok, defaults=defaults, model_name=config.model_name,
-                max_len=engine.max_model_len,
+            sub = await asyncio.to_thread(  # tokenising a long prompt must not hold up the event loop
+                parse, await body_of(request), chat=chat, tokenizer=tok, defaults=defaults,
+                model_name=config.model_name, max_len=engine.max_model_len, chars_per_token=per_token,
+                mask_id=mask_id,
             )  # fmt: skip
             stream = _Stream(asyncio.get_running_loop(), updates=sub.stream)
             req = submit(sub, stream)
@@ -351,18 +518,52 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
     @app.get("/health")
     async def health():
         if not loop_holder.alive or engine.closed:
-            return JSONResponse({"status": "draining"}, status_code=503)
+            body = ApiError(503, "the server is draining (shutting down)", None, "server_error").body()
+            return JSONResponse({"status": "draining", **body}, status_code=503)
         body = {"status": "ok", "running": engine.num_running, "waiting": engine.num_waiting}
         if not isinstance(model, Model):  # replicas: requests routed to each, which are alive, their pids
-            rows = zip(engine.served, engine.alive, engine.pids)
-            body["replicas"] = [{"served": n, "alive": a, "pid": pid} for n, a, pid in rows]
+            rows = zip(engine.served, engine.alive, engine.pids, engine.rank_pids)
+            body["replicas"] = [{"served": n, "alive": a, "pid": pid, "ranks": r} for n, a, pid, r in rows]
         return body
 
     @app.get("/metrics")
     async def prometheus():
         return PlainTextResponse(metrics.text(engine), media_type="text/plain; version=0.0.4")
 
+    async def http_error(request, exc):  # unknown routes (404), methods (405): OpenAI's error body too
+        where = f"{request.method} {request.url.path}"[:SHOWN_CHARS]
+        status = exc.status_code
+        message = {404: f"no such endpoint: {where}", 405: f"method not allowed: {where}"}.get(status, str(exc.detail))
+        kind = "not_found" if status == 404 else "invalid_request_error" if status < 500 else "server_error"
+        return error(ApiError(status, message, None, kind), headers=getattr(exc, "headers", None))
+
+    async def internal_error(_request, exc):  # a bug: still OpenAI's body, naming the error
+        return error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", None, "server_error"))
+
+    from starlette.exceptions import HTTPException
+
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)
     return app
+
+
+_DRAIN_BYTES = 64 * 1024 * 1024  # of a too-large body, read and dropped at most this much more
+
+
+def _json_body(raw: bytes) -> object:
+    """Parse a request body; whatever the JSON parser refuses (bad syntax, bad UTF-8, integers
+    past Python's digit limit, nesting past the recursion limit) is a 400."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise ApiError(400, f"the request body is not valid JSON: {why}") from None
+
+
+def _param_of(message: str) -> str | None:
+    """The field an engine admission message starts with (``block_length 16: ...``)."""
+    word = message.removeprefix("SamplingParams: ").split(" ", 1)[0].rstrip(":")
+    return word if word.isidentifier() else None
 
 
 def _first_text(metrics: Metrics, req: Request) -> None:
@@ -424,8 +625,11 @@ def serve(model, defaults: SamplingParams, config: ServeConfig) -> int:
             raise DinferError(f"dinfer-rt serve could not listen on {config.host}:{config.port} (see the log above)")
         print(f"dinfer-rt serving '{config.model_name}' on http://{config.host}:{config.port}", flush=True)
         loop.run()
+        if loop.failure is not None:  # the engine is gone: say why, stop serving, exit non-zero
+            print(f"error: {loop.failure}", file=sys.stderr, flush=True)
+            server.should_exit = True
         http.join(timeout=config.drain_timeout + 10)
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-    return 0
+    return 0 if loop.failure is None else 1

@@ -200,7 +200,7 @@ CASES = [
     # ------------------------------------------------------------------ SamplingParams
     Case("nan-temperature", _sampling(temperature=math.nan), "temperature must be a finite number, got nan"),
     Case("inf-threshold", _sampling(threshold=math.inf), "threshold must be a finite number, got inf"),
-    Case("negative-cfg-scale", _sampling(cfg_scale=-1.0), "cfg_scale -1.0 must be >= 0"),
+    Case("negative-cfg-scale", _sampling(cfg_scale=-1.0), "cfg_scale -1.0 must be in [0, 100]"),
     Case("float-gen-length", _sampling(gen_length=4.0), "gen_length must be int, got float 4.0"),
     Case("bool-batch-size", _sampling(batch_size=True), "batch_size must be int, got bool True"),
     Case("zero-sync-every", _sampling(sync_every=0), "sync_every 0 must be >= 1"),
@@ -276,7 +276,98 @@ CASES = [
         lambda env: env.cli("validate", "--backends", "cpu", "--json", "/proc/nope/report.json"),
         "report folder /proc/nope is not a writable folder",
     ),
+    # ------------------------------------------------------------------ round 3 (issue #42)
+    Case("cfg-scale-overflows", _sampling(cfg_scale=1e39), "cfg_scale 1e+39 must be in [0, 100]"),
+    Case("temperature-overflows", _sampling(temperature=1e300), "temperature 1e+300 must be in [0, 100]"),
+    Case("credit-alpha-overflows", _sampling(credit_alpha=1e39), "credit_alpha 1e+39 must be in [0, 100]"),
+    Case("factor-overflows", _sampling(factor=1e39), "factor 1e+39 must be in (0, 1000000]"),
+    Case(
+        "sync-every-past-a-block",
+        _sampling(gen_length=8, block_length=8, sync_every=41),
+        "sync_every 41 must be <= 40: a block runs at most 40 steps",
+    ),
+    Case(
+        "cli-cfg-scale-overflows",
+        lambda env: env.cli("generate", "ab", "--cfg-scale", "1e39"),
+        "cfg_scale 1e+39 must be in [0, 100]",
+    ),
+    Case(
+        "serve-drain-timeout-nan",
+        lambda env: _serve(env, "--drain-timeout", "nan"),
+        "drain_timeout (--drain-timeout) must be a finite number in [0, 86400] seconds, got nan",
+    ),
+    Case(
+        "serve-shutdown-after-inf",
+        lambda env: env.cli("serve", "--port", "0", "--shutdown-after-s", "inf"),
+        "shutdown_after_s (--shutdown-after-s) must be a finite number in (0, 31536000] seconds, got inf",
+    ),
+    Case(
+        "serve-max-model-len-past-model",
+        lambda env: _serve(env, "--max-model-len", "100000"),
+        "--max-model-len 100000 exceeds the model's max_sequence_length 64",
+    ),
+    Case(
+        "serve-max-num-seqs-past-memory",
+        lambda env: _serve(env, "--max-num-seqs", "1000000000"),
+        "the KV pool would need",
+    ),
+    Case(
+        "serve-model-length-past-memory",
+        lambda env: _serve(env, "--model", str(env.config(max_sequence_length=10**12))),
+        "or --max-model-len (1000000000000, from the model's max_sequence_length)",
+    ),
+    Case(
+        "boolean-env-not-boolean",
+        lambda env: _with_env(env, DINFER_TRACE_PLUGINS="maybe"),
+        "DINFER_TRACE_PLUGINS='maybe' is not a boolean; use 1, 0, true or false (any case)",
+    ),
+    Case(
+        "plugins-env-names-none",
+        lambda env: _with_env(env, DINFER_PLUGINS=",,,"),
+        "DINFER_PLUGINS=',,,' names no plugin",
+    ),
+    Case(
+        "model-env-missing",
+        lambda env: _with_env(env, DINFER_MODEL="/nonexistent/model"),
+        "DINFER_MODEL='/nonexistent/model': no such model folder",
+    ),
+    Case(
+        "precision-schedule-unknown-dtype",
+        _sampling(precision_schedule="int8@0.5,float8"),
+        "the last stage 'float8' must name the model's precision: full, fp32, float32, bf16, bfloat16",
+    ),
+    Case(
+        "output-is-a-folder",
+        lambda env: env.cli(
+            "eval", "--data", str(env.data('{"prompt": "ab", "answer": "b"}')), "--output", str(env.tmp)
+        ),
+        "is a folder; give a file path (or - for standard output)",
+    ),
+    Case(
+        "prompt-lone-surrogate",
+        _generate("a\ud800b"),
+        r"has text the tokenizer does not know: ['\ud800'] (lone surrogates)",
+    ),
+    Case(
+        "cli-prompt-untokenisable",
+        lambda env: env.cli("generate", "ab C"),
+        "has text the tokenizer does not know: [' ', 'C']",
+    ),
 ]
+
+
+def _serve(env: Env, *args: str) -> None:
+    """``dinfer-rt serve`` on a free port, bounded: refused before it loads, or it exits by itself
+    after 20 s (then the case fails: exit 0 is no error)."""
+    env.cli("serve", "--port", "0", "--shutdown-after-s", "20", *args)
+
+
+def _with_env(env: Env, **variables: str) -> None:
+    """Set environment variables and load a model (the default model where DINFER_MODEL is set)."""
+    for name, value in variables.items():
+        env.monkeypatch.setenv(name, value)
+    plugins.registry.cache_clear()
+    dinfer_rt.LLM(None if "DINFER_MODEL" in variables else env.ckpt, backend="cpu")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

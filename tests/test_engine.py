@@ -316,6 +316,8 @@ def test_a_static_batch_larger_than_the_engine_or_its_length_is_refused(embedded
         engine.submit_batch([[7, 8]] * 3, SamplingParams())
     with pytest.raises(GenerationError, match="42 tokens exceed the engine's max model length 30"):
         engine.submit_batch([[7, 8]], SamplingParams())
+    with pytest.raises(GenerationError, match=r"max_model_len 65 must be in \[1, 64\]"):  # never clamped silently
+        Engine(embedded.model, max_model_len=65)
 
 
 def test_review_defects_of_the_two_loops_are_fixed(embedded, ckpt_dir, capsys, tmp_path):

@@ -302,3 +302,40 @@ def test_data_parallel_replicas_share_requests_survive_a_dead_replica_and_stop_w
     while not all(_gone(r["pid"]) for r in replicas) and time.time() < deadline:
         time.sleep(0.2)
     assert all(_gone(r["pid"]) for r in replicas)
+
+
+def test_tensor_parallel_serving_answers_as_one_process_and_exits_when_a_rank_dies(offline):
+    """``serve --tensor-parallel-size 2``: one engine replica whose two ranks load their shards
+    once and step together (rank 0 broadcasts each round's commands). Chat and completions,
+    streamed or not, answer as the one-process model does; a rank killed mid-request fails that
+    request naming the rank, /health turns unhealthy and the server exits non-zero on its own."""
+    import os
+    import threading
+
+    s = Server("--tensor-parallel-size", "2", "--max-num-seqs", "4")
+    try:
+        items = task.heldout(3)
+        want = [o.text for o in offline.generate([it.letters for it in items], _params())]
+        reply = s.client.chat.completions.create(model=s.model, messages=_chat(items[0].letters))
+        assert reply.choices[0].message.content == want[0]
+        stream = s.client.chat.completions.create(model=s.model, messages=_chat(items[1].letters), stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want[1]
+        prompt = offline.model.tokenizer.apply_chat_template(_chat(items[2].letters))
+        assert s.client.completions.create(model=s.model, prompt=prompt, max_tokens=40).choices[0].text == want[2]
+        (replica,) = httpx.get(s.url + "/health").json()["replicas"]
+        assert replica["alive"] and len(replica["ranks"]) == 2 and replica["served"] == 3
+        slow = {"prompt": prompt, "max_tokens": 40, "strategy": "low_confidence", "block_length": 8}
+        answer: dict = {}
+        ask = threading.Thread(
+            target=lambda: answer.update(r=httpx.post(f"{s.url}/v1/completions", json=slow, timeout=60))
+        )
+        ask.start()
+        time.sleep(0.5)  # the request is running on both ranks
+        os.kill(replica["ranks"][1], signal.SIGKILL)
+        ask.join(timeout=60)
+        assert answer["r"].status_code >= 500 and "replica 0 rank 1 died" in answer["r"].text
+        assert s.proc.wait(timeout=60) != 0  # exits on its own, non-zero
+        assert "every engine replica has died: replica 0 rank 1 died" in s.proc.stdout.read()
+    finally:
+        s.stop()
+    assert all(_gone(pid) for pid in replica["ranks"])
