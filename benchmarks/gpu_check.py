@@ -23,8 +23,8 @@ import torch
 from dinfer_rt.config_writers import LLADA_8B
 from dinfer_rt.ir import ops
 from dinfer_rt.model import Model
+from dinfer_rt.model_spec import param_plan, parse_spec
 from dinfer_rt.plugins import select_backend
-from dinfer_rt.spec import param_plan, parse_spec
 
 DEV = "cuda"  # the backend's torch device type ("cuda" for NVIDIA and HIP builds, "npu" for Ascend)
 

@@ -17,9 +17,9 @@ import torch
 
 from dinfer_rt.config_writers import LLADA_8B
 from dinfer_rt.lowering import lower
+from dinfer_rt.model_spec import param_plan, parse_spec
 from dinfer_rt.passes import reorder
 from dinfer_rt.plugins import select_backend
-from dinfer_rt.spec import param_plan, parse_spec
 
 VIEW_OPS = {"view_heads", "merge_heads", "split"}  # no kernel launch: views of their input
 

@@ -35,7 +35,7 @@ SCHEDULES = ["int8@0.5,fp32", "int8@0.25,fp32", "fp8@0.5,fp32", "int8:2,fp32", "
 def analytic_weight_bytes(model, fmt: str | None) -> int:
     """Bytes the weights need in ``fmt``: quantised projections at 1 byte per weight plus a 4-byte
     scale per row, everything else at the dtype's size (tied embeddings counted once)."""
-    from dinfer_rt.spec import param_plan
+    from dinfer_rt.model_spec import param_plan
 
     total = 0
     for p in param_plan(model.spec):

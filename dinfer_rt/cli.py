@@ -126,7 +126,7 @@ def _torchrun_rank(a: argparse.Namespace) -> int | None:
     rank; None when this process should start its own ranks (or run alone)."""
     from dinfer_rt import parallel
     from dinfer_rt.loader import default_model_path
-    from dinfer_rt.spec import parse_spec
+    from dinfer_rt.model_spec import parse_spec
 
     world = getattr(a, "tensor_parallel_size", 1)
     if "WORLD_SIZE" not in os.environ or world == 1:
@@ -252,7 +252,7 @@ def _generate_tensor_parallel(a: argparse.Namespace) -> int:
     from dinfer_rt import parallel
     from dinfer_rt.llm import generate_on_rank
     from dinfer_rt.loader import default_model_path
-    from dinfer_rt.spec import parse_spec
+    from dinfer_rt.model_spec import parse_spec
 
     world = a.tensor_parallel_size
     if a.quantization is not None:
@@ -299,8 +299,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         load["chat_template_name"] = a.chat_template_name
     load["quantization"] = a.quantization
     if a.data_parallel_size > 1 or a.tensor_parallel_size > 1:
-        from dinfer_rt.replicas import ReplicaPool
         from dinfer_rt.server import engine_kwargs
+        from dinfer_rt.workers import ReplicaPool
 
         kwargs = engine_kwargs(config, defaults)
         kwargs.pop("max_queue")
@@ -320,7 +320,7 @@ def _check_serve_defaults(path, defaults: SamplingParams, config) -> None:
     from dinfer_rt.engine import check_request
     from dinfer_rt.errors import GenerationError
     from dinfer_rt.loader import default_model_path
-    from dinfer_rt.spec import parse_spec
+    from dinfer_rt.model_spec import parse_spec
 
     spec = parse_spec(path or default_model_path())
     max_len = min(config.max_model_len or spec.max_length, spec.max_length)
@@ -522,7 +522,7 @@ def cmd_ir(a: argparse.Namespace) -> int:
     from dinfer_rt.dtypes import resolve_dtype
     from dinfer_rt.loader import default_model_path
     from dinfer_rt.lowering import lower
-    from dinfer_rt.spec import parse_spec
+    from dinfer_rt.model_spec import parse_spec
 
     spec = parse_spec(a.model or default_model_path())
     bs = a.block_size or spec.default_block_size

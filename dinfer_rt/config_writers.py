@@ -1,5 +1,5 @@
 """Writers of real checkpoint config layouts, shared by the embedded model's training script
-and the tiny test checkpoints (readers live in :mod:`dinfer_rt.spec`)."""
+and the tiny test checkpoints (readers live in :mod:`dinfer_rt.model_spec`)."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ class LLM:
                 raise GenerationError(f"{name} must be an int >= 1, got {size!r}")
         if tensor_parallel_size > 1 or data_parallel_size > 1:
             from dinfer_rt.loader import model_folder
-            from dinfer_rt.replicas import ReplicaPool
+            from dinfer_rt.workers import ReplicaPool
 
             if isinstance(model, Model) or quantization is not None:
                 sizes = f"tensor_parallel_size={tensor_parallel_size}, data_parallel_size={data_parallel_size}"

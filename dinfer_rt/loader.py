@@ -12,8 +12,8 @@ from dinfer_rt.dtypes import resolve_dtype
 from dinfer_rt.errors import ConfigError
 from dinfer_rt.hub import resolve_model
 from dinfer_rt.model import Model
+from dinfer_rt.model_spec import parse_spec
 from dinfer_rt.plugins import select_backend
-from dinfer_rt.spec import parse_spec
 from dinfer_rt.tokenizer import Tokenizer, generation_eos_ids, require_file
 
 EMBEDDED_MODEL = Path(__file__).parent / "demo" / "model"

@@ -19,7 +19,7 @@ import torch
 from dinfer_rt import quant
 from dinfer_rt.dtypes import accumulate_dtype
 from dinfer_rt.ir import Graph, TensorType, Value
-from dinfer_rt.spec import ModelSpec, param_plan
+from dinfer_rt.model_spec import ModelSpec, param_plan
 
 
 def lower(

@@ -21,7 +21,7 @@ from dinfer_rt.errors import ConfigError, DinferError, GenerationError
 from dinfer_rt.executor import Executable
 from dinfer_rt.ir import Graph
 from dinfer_rt.lowering import lower
-from dinfer_rt.spec import EOS_TOKENS, ModelSpec
+from dinfer_rt.model_spec import EOS_TOKENS, ModelSpec
 from dinfer_rt.tokenizer import Tokenizer
 
 

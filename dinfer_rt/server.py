@@ -178,8 +178,8 @@ def check_before_load(config: ServeConfig, path=None, backend: str | None = None
     free memory (on a device that is checked once the model is loaded, before the pool is)."""
     from dinfer_rt.dtypes import resolve_dtype
     from dinfer_rt.loader import auto_dtype, default_model_path
+    from dinfer_rt.model_spec import parse_spec
     from dinfer_rt.plugins import select_backend
-    from dinfer_rt.spec import parse_spec
 
     config.check()
     spec = parse_spec(path or default_model_path())
@@ -349,7 +349,7 @@ def engine_kwargs(config: ServeConfig, defaults: SamplingParams) -> dict:
 
 def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_thread: bool = True):
     """The FastAPI application over one model (a :class:`Model`: one engine in this process) or a
-    :class:`~dinfer_rt.replicas.ReplicaPool` (data-parallel replicas in worker processes, which
+    :class:`~dinfer_rt.workers.ReplicaPool` (data-parallel replicas in worker processes, which
     offers the engine's interface and the model's tokenizer / eos / mask ids). ``app.state.loop``
     is its :class:`EngineLoop`, started on its own thread with the app's lifespan when
     ``engine_thread`` (else the caller runs ``app.state.loop.run()``)."""

@@ -8,7 +8,7 @@ from dinfer_rt import quant
 from dinfer_rt.checkpoint import Checkpoint
 from dinfer_rt.dtypes import accumulate_dtype
 from dinfer_rt.errors import CheckpointError
-from dinfer_rt.spec import IGNORED_TENSOR_SUFFIXES, ModelSpec, ParamPlan, param_plan
+from dinfer_rt.model_spec import IGNORED_TENSOR_SUFFIXES, ModelSpec, ParamPlan, param_plan
 
 
 def gptq_sources(spec: ModelSpec, plan: list[ParamPlan], gptq: dict) -> dict[str, tuple[str, str, tuple[int, ...]]]:

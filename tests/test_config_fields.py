@@ -9,7 +9,7 @@ import json
 import pytest
 
 from dinfer_rt.errors import ConfigError
-from dinfer_rt.spec import parse_spec
+from dinfer_rt.model_spec import parse_spec
 from dinfer_rt.testing import checkpoints
 
 

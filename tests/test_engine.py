@@ -326,7 +326,7 @@ def test_review_defects_of_the_two_loops_are_fixed(embedded, ckpt_dir, capsys, t
     ``bench`` measures prompts that fit the model (``--prompt-len`` / ``--data``) and refuses the
     embedded task's prompts for another model."""
     from dinfer_rt.cli import main
-    from dinfer_rt.replicas import ReplicaPool
+    from dinfer_rt.workers import ReplicaPool
 
     with pytest.raises(GenerationError, match="data_parallel_size=2: worker processes load the model"):
         LLM(embedded.model, data_parallel_size=2)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import dinfer_rt
 from dinfer_rt.errors import DinferError
 from dinfer_rt.lowering import lower
-from dinfer_rt.spec import parse_spec
+from dinfer_rt.model_spec import parse_spec
 from dinfer_rt.testing import checkpoints
 
 FAMILIES = ("llada", "dream", "llada_moe", "llada2")

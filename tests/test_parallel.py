@@ -15,9 +15,9 @@ from dinfer_rt.errors import ConfigError
 from dinfer_rt.ir import Graph, TensorType, ops
 from dinfer_rt.llm import generate_on_rank
 from dinfer_rt.lowering import lower
+from dinfer_rt.model_spec import parse_spec
 from dinfer_rt.passes.shard import TensorParallel, shard_graph
 from dinfer_rt.sampling import SamplingParams
-from dinfer_rt.spec import parse_spec
 from dinfer_rt.testing import checkpoints
 
 

@@ -144,13 +144,13 @@ def test_golden_ir_after_pipeline(ckpt_dir, name, backend):
     has a Triton kernel, gate/up + SwiGLU and add + RMSNorm) is a reviewed snapshot: a pipeline
     change shows up as a diff here."""
     from dinfer_rt.lowering import lower
+    from dinfer_rt.model_spec import parse_spec
     from dinfer_rt.plugins import registry
-    from dinfer_rt.spec import parse_spec
 
     spec = parse_spec(ckpt_dir(name))
     be = registry().backends[backend]()
     weights: dict = {}
-    from dinfer_rt.spec import param_plan
+    from dinfer_rt.model_spec import param_plan
 
     for p in param_plan(spec):  # shapes only: the passes read weights only to merge them
         weights[p.name] = torch.zeros(p.shape)
@@ -169,9 +169,9 @@ def test_confidence_head_never_builds_the_probability_tensor():
     at least the float32 [32 x 126464] tensor the unfused graph materialises."""
     from dinfer_rt.config_writers import LLADA_8B
     from dinfer_rt.lowering import lower
+    from dinfer_rt.model_spec import param_plan, parse_spec
     from dinfer_rt.passes import reorder
     from dinfer_rt.plugins import select_backend
-    from dinfer_rt.spec import param_plan, parse_spec
 
     spec = parse_spec(Path("LLaDA-8B"), LLADA_8B)  # config only: no files, no weights
     weights = {p.name: torch.empty(p.shape, device="meta") for p in param_plan(spec)}  # nothing allocated
@@ -190,7 +190,7 @@ def test_confidence_head_never_builds_the_probability_tensor():
 
 def test_rope_fold_does_not_fire_when_a_rotated_value_escapes(ckpt_dir):
     from dinfer_rt.lowering import lower
-    from dinfer_rt.spec import parse_spec
+    from dinfer_rt.model_spec import parse_spec
 
     g = lower(parse_spec(ckpt_dir("llada_moe")), torch.float32)
     first_rope = next(n for n in g.nodes if n.op == "rope")
@@ -201,7 +201,7 @@ def test_rope_fold_does_not_fire_when_a_rotated_value_escapes(ckpt_dir):
 
 def test_routing_fold_does_not_fire_when_router_weights_escape(ckpt_dir):
     from dinfer_rt.lowering import lower
-    from dinfer_rt.spec import parse_spec
+    from dinfer_rt.model_spec import parse_spec
 
     g = lower(parse_spec(ckpt_dir("llada2")), torch.float32)
     router = next(n for n in g.nodes if n.op == "router_sigmoid_grouped")
@@ -213,7 +213,7 @@ def test_routing_fold_does_not_fire_when_router_weights_escape(ckpt_dir):
 def test_backend_cost_decision_and_priority(ckpt_dir):
     from dinfer_rt.backends.cpu import CpuBackend
     from dinfer_rt.lowering import lower
-    from dinfer_rt.spec import param_plan, parse_spec
+    from dinfer_rt.model_spec import param_plan, parse_spec
 
     seen = []
 
@@ -237,7 +237,7 @@ def test_backend_cost_decision_and_priority(ckpt_dir):
 
 def test_confidence_fusion_does_not_fire_when_logits_escape(ckpt_dir):
     from dinfer_rt.lowering import lower
-    from dinfer_rt.spec import parse_spec
+    from dinfer_rt.model_spec import parse_spec
 
     g = lower(parse_spec(ckpt_dir("llada")), torch.float32, head="confidence", mask_id=5)
     conf = next(n for n in g.nodes if n.op == "confidence")

@@ -375,7 +375,7 @@ def test_each_tensor_goes_to_the_device_as_it_is_read(ckpt_dir, monkeypatch):
     """The loader hands every tensor to the device right after reading it (the host holds one
     tensor in flight, never the whole model): on the "meta" device nothing stays on the host."""
     from dinfer_rt.checkpoint import Checkpoint
-    from dinfer_rt.spec import parse_spec
+    from dinfer_rt.model_spec import parse_spec
     from dinfer_rt.weights import load_weights
 
     path = ckpt_dir("llada_moe")

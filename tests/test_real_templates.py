@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dinfer_rt.spec import EOS_TOKENS
+from dinfer_rt.model_spec import EOS_TOKENS
 from dinfer_rt.testing import checkpoints
 from dinfer_rt.tokenizer import Tokenizer, stop_ids
 

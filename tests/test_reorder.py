@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from dinfer_rt.ir import Graph, TensorType
 from dinfer_rt.lowering import lower
+from dinfer_rt.model_spec import parse_spec
 from dinfer_rt.passes import PassContext, reorder
-from dinfer_rt.spec import parse_spec
 
 
 def random_graph(draw_ops: list[tuple[int, int, int]]) -> Graph:

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 import dinfer_rt
 from dinfer_rt import strategies
 from dinfer_rt.errors import ConfigError, GenerationError
+from dinfer_rt.model_spec import parse_spec
 from dinfer_rt.sampling import CACHES, SamplingParams
-from dinfer_rt.spec import parse_spec
 from dinfer_rt.testing import checkpoints
 from dinfer_rt.validation import model_checks
 

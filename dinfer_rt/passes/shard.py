@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from dinfer_rt.errors import ConfigError
 from dinfer_rt.ir import Graph, Node, TensorType, Value
 from dinfer_rt.ir.ops import op_def, vocab_shard
-from dinfer_rt.spec import ModelSpec
+from dinfer_rt.model_spec import ModelSpec
 
 COLUMN = ("q", "k", "v", "qkv", "gate", "up", "shared_gate", "shared_up")  # weight rows split; their biases too
 ROW = ("o", "down", "shared_down")  # weight columns split; the output is summed over ranks

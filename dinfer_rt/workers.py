@@ -178,9 +178,9 @@ class ReplicaPool:
         import torch.multiprocessing as mp
 
         from dinfer_rt.loader import default_model_path
+        from dinfer_rt.model_spec import parse_spec
         from dinfer_rt.parallel import check_devices, check_split
         from dinfer_rt.plugins import select_backend
-        from dinfer_rt.spec import parse_spec
         from dinfer_rt.tokenizer import Tokenizer
 
         if replicas < 1:
