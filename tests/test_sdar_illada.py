@@ -388,3 +388,24 @@ def test_the_engine_refuses_a_cache_policy_sdar_cannot_run(ckpt):
     for run in (lambda: llm.generate([[7, 8, 9]], params), lambda: Engine(llm.model).submit([7, 8, 9], params)):
         with pytest.raises(GenerationError, match="cache 'delayed' is not exact for the sdar model"):
             run()
+
+
+def test_finished_blocks_hold_the_k_v_of_a_fresh_prefill(ckpt):
+    """SDAR's KV rule (a finished block's K/V are recomputed once from its final tokens): the
+    engine's block-causal window starts at the previous block at each block's first forward, so
+    that forward is the re-encode, merged into the next block's first step. After decoding, every
+    block but the last (nothing reads it) holds what a fresh prefill of the final sequence writes."""
+    from dinfer_rt.engine import Engine
+
+    model = dinfer_rt.load_model(ckpt("sdar"), backend="cpu")
+    params = SamplingParams(gen_length=12, block_length=4, strategy="low_confidence_dynamic", cache="dual")
+    engine = Engine(model, max_num_seqs=1)
+    req = engine.submit([7, 8, 9, 10, 11], params)
+    engine.run_until_idle()
+    cohort = req.cohort
+    n, last = cohort.n, ((cohort.n - 1) // 4) * 4  # the final block starts at 16 of 17 positions
+    fresh = model.new_cache(1, n)
+    model.forward(cohort.x, cache=fresh, block_size=4)
+    for kept, prefill in zip((*engine.cache.k, *engine.cache.v), (*fresh.k, *fresh.v)):
+        assert (kept[0, :last] - prefill[0, :last]).abs().max() < 1e-5
+    assert last == 16 and (engine.cache.k[0][0, :last].abs().sum() > 0)  # really written
