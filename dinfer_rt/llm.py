@@ -54,9 +54,10 @@ class LLM:
         ``expert_parallel``: MoE layers split whole experts over the ranks instead of each
         expert's intermediate size."""
         self.pool = None
+        _check_arguments(model, backend, dtype, check_weights, quantization, expert_parallel)
         for name, size in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise GenerationError(f"{name} must be an int >= 1, got {size!r}")
+                raise GenerationError(f"LLM: {name} must be an int >= 1, got {size!r}")
         if tensor_parallel_size > 1 or data_parallel_size > 1:
             from dinfer_rt.loader import model_folder
             from dinfer_rt.workers import ReplicaPool
@@ -126,6 +127,9 @@ class LLM:
         progress: bool = False,
         allow_mask_in_prompt: bool = False,
     ) -> list[GenerationOutput]:
+        if params is not None and not isinstance(params, SamplingParams):
+            hint = " (SamplingParams(**that_dict) builds one)" if isinstance(params, dict) else ""
+            raise GenerationError(f"generate: params must be a SamplingParams, got {type(params).__name__}{hint}")
         params = (params or SamplingParams()).validate()
         if not isinstance(prompts, (str, list, tuple)) or not prompts:
             raise GenerationError(f"prompts must be a string or a non-empty list, got {prompts!r}")
@@ -174,6 +178,22 @@ class LLM:
             stats = GenerationStats(req.forwards, toks, toks / max(req.forwards, 1), wall, toks / wall if wall else 0.0)
             outputs.append(GenerationOutput(prompt, req.text, req.output_ids, stats))
         return outputs
+
+
+def _check_arguments(model, backend, dtype, check_weights, quantization, expert_parallel) -> None:
+    """The constructor's arguments have the types it documents (a slip such as ``LLM(5)`` is one
+    error naming the argument, not a failure deep inside loading)."""
+    kinds = (
+        ("model", model, (str, Path, Model, type(None)), "a path, a hub id, a loaded Model or None"),
+        ("backend", backend, (str, type(None)), "a backend name or None"),
+        ("dtype", dtype, (str, torch.dtype, type(None)), "a dtype name, a torch.dtype or None"),
+        ("quantization", quantization, (str, type(None)), "'int8', 'fp8' or None"),
+        ("check_weights", check_weights, (bool,), "True or False"),
+        ("expert_parallel", expert_parallel, (bool,), "True or False"),
+    )
+    for name, value, types, expected in kinds:
+        if not isinstance(value, types):
+            raise GenerationError(f"LLM: {name} must be {expected}, got {type(value).__name__} {value!r}")
 
 
 # ---------------------------------------------------------------- under an external launcher (torchrun)

@@ -30,6 +30,7 @@ import openai
 import pytest
 import torch
 
+import dinfer_rt
 from dinfer_rt import envs, plugins
 from dinfer_rt.errors import DinferError
 from dinfer_rt.files import check_output_file, write_text_atomic
@@ -437,3 +438,34 @@ def test_a_precision_schedule_takes_the_dtype_spellings_of_dtype(last, dtype):
     assert schedule.full == {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp64")
     with pytest.raises(DinferError, match="is not the model's dtype"):
         schedule.check_model(other, None)
+
+
+# ---------------------------------------------------------------- Python API argument types (#42 item 6)
+
+API_SLIPS = [
+    (lambda: dinfer_rt.LLM(5), "LLM: model must be a path, a hub id, a loaded Model or None, got int 5"),
+    (lambda: dinfer_rt.LLM(backend=5), "LLM: backend must be a backend name or None, got int 5"),
+    (lambda: dinfer_rt.LLM(dtype=3.5), "LLM: dtype must be a dtype name, a torch.dtype or None, got float 3.5"),
+    (lambda: dinfer_rt.LLM(tensor_parallel_size=0), "LLM: tensor_parallel_size must be an int >= 1, got 0"),
+    (lambda: dinfer_rt.LLM(data_parallel_size=2.0), "LLM: data_parallel_size must be an int >= 1, got 2.0"),
+    (lambda: dinfer_rt.LLM(check_weights="no"), "LLM: check_weights must be True or False, got str 'no'"),
+]
+
+
+def test_python_api_type_slips_name_the_argument():
+    """Each slip is refused before anything loads or any process starts (the docs table lists
+    the same calls and messages)."""
+    import multiprocessing
+
+    table = TABLE.read_text()
+    before = multiprocessing.active_children()
+    for call, message in API_SLIPS:
+        with pytest.raises(DinferError) as err:
+            call()
+        assert message in str(err.value) and f"`{message}`" in table
+    assert multiprocessing.active_children() == before  # nothing fell back to starting workers
+    llm = dinfer_rt.LLM()
+    message = "generate: params must be a SamplingParams, got dict (SamplingParams(**that_dict) builds one)"
+    with pytest.raises(DinferError, match=re.escape(message)):
+        llm.generate("abc", {"strategy": "threshold"})
+    assert f"`{message}`" in table
