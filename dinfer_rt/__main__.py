@@ -1,5 +1,5 @@
 import sys
 
-from dinfer_rt.cli import main
+from dinfer_rt.console import main
 
 sys.exit(main())

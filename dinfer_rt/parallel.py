@@ -10,13 +10,16 @@ same bytes on every rank); rank 0's results are returned.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import gc
 import io
 import os
 import queue
 import shutil
+import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -124,6 +127,22 @@ def check_devices(backend, ranks_here: int) -> None:
         )
 
 
+@contextlib.contextmanager
+def sigint_ignored():
+    """Processes started inside this block inherit an ignored SIGINT (it is kept through exec, and
+    Python then installs no KeyboardInterrupt handler): a terminal's Ctrl-C reaches the whole
+    process group, and the workers leave it to their parent, which drains or stops them, instead
+    of each printing a traceback. Only the main thread can change signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def _worker(rank, world, rendezvous, backend, fn, args, results, tp_size) -> None:
     os.environ.update({RENDEZVOUS_ENV: rendezvous, "RANK": str(rank), "WORLD_SIZE": str(world)})
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -172,8 +191,9 @@ def launch(
         ctx.Process(target=_worker, args=(r, world, rendezvous, backend, fn, args, results, tp_size), daemon=True)
         for r in range(world)
     ]
-    for p in procs:
-        p.start()
+    with sigint_ignored():
+        for p in procs:
+            p.start()
     got: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:

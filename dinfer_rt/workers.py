@@ -179,7 +179,7 @@ class ReplicaPool:
 
         from dinfer_rt.loader import default_model_path
         from dinfer_rt.model_spec import parse_spec
-        from dinfer_rt.parallel import check_devices, check_split
+        from dinfer_rt.parallel import check_devices, check_split, sigint_ignored
         from dinfer_rt.plugins import select_backend
         from dinfer_rt.tokenizer import Tokenizer
 
@@ -224,9 +224,10 @@ class ReplicaPool:
             for i in range(replicas)
         ]
         self.procs = [group[0] for group in self.ranks]
-        for group in self.ranks:
-            for p in group:
-                p.start()
+        with sigint_ignored():
+            for group in self.ranks:
+                for p in group:
+                    p.start()
         ready: dict[int, dict] = {}
         deadline = time.monotonic() + timeout
         while len(ready) < replicas:

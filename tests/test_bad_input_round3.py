@@ -469,3 +469,23 @@ def test_python_api_type_slips_name_the_argument():
     with pytest.raises(DinferError, match=re.escape(message)):
         llm.generate("abc", {"strategy": "threshold"})
     assert f"`{message}`" in table
+
+
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130():
+    """#42 item 2: a Ctrl-C while the command line still imports (torch: the first second of
+    every command). Where a real signal lands in that second is up to the scheduler (and torch
+    swallows one that lands in its numpy import), so the interrupt is raised at a fixed point:
+    the import of ``dinfer_rt.cli``, which pulls in torch."""
+    code = (
+        "import sys\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'dinfer_rt.cli':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+        "sys.argv = ['dinfer-rt', 'generate', 'qwertyuiop']\n"
+        "from dinfer_rt.console import main\n"
+        "sys.exit(main())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130 and done.stderr == "interrupted\n" and done.stdout == "", done.stderr

@@ -266,7 +266,7 @@ def test_data_parallel_replicas_share_requests_survive_a_dead_replica_and_stop_w
     """``serve --data-parallel-size 2``: two engine processes behind one front end. Concurrent
     clients get their offline answers (streamed or not) and both replicas serve; a bad request is
     still refused at once; a replica killed mid-run is reported and the other keeps answering;
-    the replicas end with the server."""
+    Ctrl-C (SIGINT to the process group) drains and exits 0, no replica printing a traceback."""
     import os
 
     s = Server("--data-parallel-size", "2", "--max-num-seqs", "4")
@@ -296,6 +296,9 @@ def test_data_parallel_replicas_share_requests_survive_a_dead_replica_and_stop_w
         for item, text in zip(items[:3], want[:3]):
             reply = s.client.chat.completions.create(model=s.model, messages=_chat(item.letters))
             assert reply.choices[0].message.content == text  # the live replica answers
+        s.interrupt()  # Ctrl-C reaches the replica too: it leaves the drain to the front end
+        assert s.proc.wait(timeout=60) == 0
+        assert "Traceback" not in s.proc.stdout.read()
     finally:
         s.stop()
     deadline = time.time() + 20

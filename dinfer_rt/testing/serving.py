@@ -4,6 +4,7 @@ tests and ``benchmarks/serve_bench.py``."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +16,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def terminal_signals() -> None:
+    """In a child before exec: SIGINT's default action, as a command started from a terminal has
+    (a runner that started this process in the background may have left SIGINT ignored, which
+    exec would carry over and Python would then keep)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class ServerProcess:
@@ -35,9 +43,10 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [*(launcher or [sys.executable, "-m", "dinfer_rt"]), "serve", "--port", str(self.port)]
         cmd += ["--shutdown-after-s", str(lifetime), *args]
-        self.proc = subprocess.Popen(
-            cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+        self.proc = subprocess.Popen(  # its own process group with Ctrl-C's default action, as from a terminal
+            cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True, preexec_fn=terminal_signals,
+        )  # fmt: skip
         deadline = time.time() + ready_timeout
         while True:
             if self.proc.poll() is not None:
@@ -61,6 +70,10 @@ class ServerProcess:
             if line.startswith(name) and not line.startswith("#"):
                 total += float(line.rsplit(" ", 1)[1])
         return total
+
+    def interrupt(self) -> None:
+        """A terminal's Ctrl-C: SIGINT to the server's whole process group (its workers too)."""
+        os.killpg(self.proc.pid, signal.SIGINT)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
