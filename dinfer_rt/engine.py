@@ -147,6 +147,7 @@ class Engine:
         max_queue: int | None = None,
         max_model_len: int | None = None,
         block_length: int | None = None,
+        scratch_slot: bool = True,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or (max_queue is not None and max_queue < 0):
             raise GenerationError("Engine: max_num_seqs and max_num_batched_tokens must be >= 1, max_queue >= 0")
@@ -160,9 +161,12 @@ class Engine:
         self.max_model_len = max_model_len or model.spec.max_length
         self.block_size = (block_length or SamplingParams().block_length) if model.spec.block_causal else None
         self.mask_id, self.eos = model.mask_id, set(model.eos_ids)
-        # + a scratch slot that per-row padding queries write; from the model's pool, so a
-        # static batch's engine writes the buffers of the last one (device graphs bind them)
-        self.cache = model.cache_pool.acquire(max_num_seqs, self.max_model_len + 1)
+        # + a scratch slot that per-row padding queries write (without it, cohorts never share a
+        # forward: what a static batch of one cohort wants, its cache then one contiguous buffer,
+        # which the native kernels read in place); from the model's pool, so a static batch's
+        # engine writes the buffers of the last one (device graphs bind them)
+        self.scratch_slot = scratch_slot
+        self.cache = model.cache_pool.acquire(max_num_seqs, self.max_model_len + int(scratch_slot))
         self.cohorts: list[Cohort] = []  # row order: cohort i holds the rows after cohort i - 1's
         self.waiting: deque[list[Request]] = deque()  # groups admitted together (one cohort each)
         self.stats = EngineStats()
@@ -204,15 +208,7 @@ class Engine:
         if params.stop and self.model.tokenizer is None:
             raise GenerationError("stop: stop strings need the model's tokenizer (loaded without one)")
         reqs = [Request(f"req-{next(self._ids)}", list(p), params, params.gen_length) for p in prompts]
-        if cohort.row_dependent:  # each prompt its own window
-            groups = [[i] for i in range(len(prompts))]
-        elif self.model.spec.block_causal:  # blocks align to position 0: left padding would move them
-            by_length: dict[int, list[int]] = {}
-            for i, p in enumerate(prompts):
-                by_length.setdefault(len(p), []).append(i)
-            groups = list(by_length.values())
-        else:
-            groups = [list(range(len(prompts)))]
+        groups = batch_groups(cohort, prompts)
         if len(groups) == 1:
             cohort.stop = stop
             self._queue(reqs, cohort)
@@ -363,7 +359,7 @@ class Engine:
         cohorts, st = self.cohorts, self.stats
         # a lone cohort, or any that needs its own forward (guidance, a precision schedule, another
         # block-causal mask): lockstep
-        alone = any(c.window.guided or c.schedule is not None for c in cohorts)
+        alone = any(c.window.guided or c.schedule is not None for c in cohorts) or not self.scratch_slot
         if len(cohorts) == 1 or alone or len({c.block_size for c in cohorts}) > 1:
             for c in cohorts:
                 commit = c.decide(c.forward(c.window))
@@ -497,6 +493,21 @@ class Engine:
                 return
 
 
+def batch_groups(cohort: Cohort, prompts: list[list[int]]) -> list[list[int]]:
+    """How a static batch is split into cohorts (indices into ``prompts``): one cohort, unless a
+    step's window would depend on which rows share it (one per prompt: each decodes as alone) or
+    block-causal prompts differ in length (one per length: left padding would move their blocks
+    off position 0)."""
+    if cohort.row_dependent:
+        return [[i] for i in range(len(prompts))]
+    if cohort.model.spec.block_causal:
+        by_length: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            by_length.setdefault(len(p), []).append(i)
+        return list(by_length.values())
+    return [list(range(len(prompts)))]
+
+
 def run_batch(
     model: Model, prompts: list[list[int]], params: SamplingParams, stop: StopCheck | None = None
 ) -> BatchResult:
@@ -507,7 +518,11 @@ def run_batch(
         raise GenerationError("every prompt must have at least one token")
     n = min(max(len(p) for p in prompts) + params.gen_length, model.spec.max_length)
     block = params.block_length if model.spec.block_causal else None
-    engine = Engine(model, max_num_seqs=len(prompts), max_num_batched_tokens=2**62, max_model_len=n, block_length=block)
+    shared = len(batch_groups(Cohort(model, prompts, params), prompts)) > 1  # cohorts that share forwards
+    engine = Engine(
+        model, max_num_seqs=len(prompts), max_num_batched_tokens=2**62, max_model_len=n, block_length=block,
+        scratch_slot=shared,
+    )  # fmt: skip
     try:
         reqs = engine.submit_batch(prompts, params, stop=stop)
         start = time.perf_counter()
