@@ -36,8 +36,14 @@ once more): ``small`` (default: weights up to 1 MiB), ``all``, ``off`` (every ma
 DINFER_CPU_MATMUL = "DINFER_CPU_MATMUL"
 """CPU layer blocks: ``fp32`` (default) or ``bf16``: projections with bfloat16-rounded inputs
 summed in float32 (AVX512-BF16 CPUs; about 2x the float32 GEMM's speed, bfloat16 accuracy)."""
+DINFER_CPU_BLAS = "DINFER_CPU_BLAS"
+"""CPU layer blocks: path of a shared library exporting Fortran ``sgemm_`` (LP64) to call instead
+of the one torch links; self-checked against ``torch.mm`` first (a mismatch turns the GEMMs off)."""
 DINFER_MODEL = "DINFER_MODEL"
 """Default model folder for the CLI and ``LLM()``; unset means the embedded model."""
+DINFER_USE_MODELSCOPE = "DINFER_USE_MODELSCOPE"
+"""``1`` / ``true``: hub ids (``ORG/NAME``) resolve through ModelScope instead of the Hugging Face
+hub (read and checked by ``hub.use_modelscope`` only when a hub id is resolved)."""
 
 ALL = (
     DINFER_BACKEND,
@@ -54,7 +60,9 @@ ALL = (
     DINFER_CPU_NATIVE,
     DINFER_CPU_PACKED_WEIGHTS,
     DINFER_CPU_MATMUL,
+    DINFER_CPU_BLAS,
     DINFER_MODEL,
+    DINFER_USE_MODELSCOPE,
 )
 
 

@@ -48,7 +48,8 @@ class CpuBackend(Backend):
 
     def capabilities(self) -> Capabilities:
         dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-        return Capabilities(dtypes=dtypes, collectives="gloo", weight_formats=("int8", "fp8", "gptq4"))
+        extra = {"native_gemms": native.gemm_status()}  # on, or off and why (e.g. a BLAS that failed its check)
+        return Capabilities(dtypes=dtypes, collectives="gloo", weight_formats=("int8", "fp8", "gptq4"), extra=extra)
 
     def commit_kernel(self):
         """The scheduler's greedy commit (threshold / top-k) in one native call where native.c

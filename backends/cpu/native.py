@@ -15,6 +15,9 @@ the source, the flags, the compiler's version and this CPU's feature flags, so a
 another machine is never loaded there. ``DINFER_CPU_NATIVE=0`` turns them off. Without a working
 compiler the CPU backend says why (``dinfer-rt backends``) and runs the torch kernels; without
 OpenMP support, or beside another OpenMP runtime than torch's, the kernels run on one thread.
+The BLAS the layer blocks call is checked once per build and BLAS (``blas.checked``: one small
+product against ``torch.mm`` in a child process); a mismatched one (e.g. ILP64) turns the layer
+blocks and their GEMMs off, the reason in ``dinfer-rt backends``.
 """
 
 from __future__ import annotations
@@ -207,9 +210,8 @@ def _open(cc: str, version: str, flags: tuple[str, ...]) -> Native:
             fn.argtypes, fn.restype = args, _RETURNS.get(name)
     except (OSError, AttributeError) as e:
         return Native(None, f"loading {path} failed: {e}")
-    found = blas.find()
-    if found.sgemm is not None:
-        lib.dinfer_set_blas(found.sgemm)
+    found = blas.checked(str(path))  # one small product against torch.mm, in a child process once per build/BLAS
+    lib.dinfer_set_blas(found.sgemm)  # None after a failed check: the layer blocks refuse to run (-2)
     if lib.dinfer_native_openmp():
         runtimes = _openmp_runtimes()
         if len(runtimes) > 1:  # ours is not torch's: two thread pools would fight for the cores
@@ -219,12 +221,22 @@ def _open(cc: str, version: str, flags: tuple[str, ...]) -> Native:
             how += ", OpenMP threads shared with torch"
     blocks = (
         f"layer blocks: panel GEMM for packed weights ({envs.DINFER_CPU_PACKED_WEIGHTS}), else a transposed-input "
-        f"GEMM at 8-128 rows and {found.reason} for other row counts; "
+        f"GEMM at 8-128 rows, for other row counts {found.reason}; "
         f"{envs.DINFER_CPU_MATMUL}=bf16 {'available' if lib.dinfer_bf16_panels() else 'unavailable (no AVX512-BF16)'}"
         if found.sgemm is not None
-        else f"no layer blocks: {found.reason}"
+        else f"layer blocks and their GEMMs off: {found.reason}"
     )
     return Native(lib, f"on ({version}, {how}; {blocks})")
+
+
+def gemm_status() -> str:
+    """``on (<the BLAS>)``, or ``off: why`` (no native library, no BLAS, or a BLAS that failed its
+    self-check): whether the layer blocks and their GEMMs run, for the backend's capabilities."""
+    lib = load().lib
+    if lib is None:
+        return f"off: the native kernels are off ({load().reason})"
+    found = blas.checked(lib._name)
+    return f"on ({found.reason})" if found.sgemm is not None else f"off: {found.reason}"
 
 
 def _openmp_runtimes() -> set[str]:
@@ -280,8 +292,8 @@ class NativeKernels:
         self._head = lib.dinfer_lm_head_confidence_f32
         self._xt_linear = lib.dinfer_xt_linear_f32
         self.xt_rows = (int(lib.dinfer_xt_min_rows()), int(lib.dinfer_xt_max_rows()))
-        found = blas.find()
-        self.blas = found if found.sgemm is not None else None  # None: no layer blocks
+        found = blas.checked(lib._name)  # cached: the verdict _open reached for this library
+        self.blas = found if found.sgemm is not None else None  # None: no layer blocks (no BLAS, or it failed)
         self.panels = shared_panels(lib)
         self._plans: dict[tuple, tuple] = {}  # per fused node: (struct address, struct, its tensors)
         self._keep: list = []  # the packed copies the plans point at
@@ -595,8 +607,8 @@ def bf16_unavailable(lib: ctypes.CDLL | None) -> str:
             + ("although this CPU reports avx512_bf16 (a compiler without -mavx512bf16?)" if has else
                "(this CPU does not report avx512_bf16)")
         )  # fmt: skip
-    if blas.find().sgemm is None:
-        return "the layer blocks are off (no BLAS found)"
+    if (found := blas.checked(lib._name)).sgemm is None:
+        return f"the layer blocks are off ({found.reason})"
     return ""
 
 
