@@ -12,6 +12,7 @@ without its dual cache) at batch 1 and 50 on the same items in the same run. Wri
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -31,9 +32,12 @@ from fastdllm_baseline import PlainLLaDA, generate  # noqa: E402
 from dinfer_rt import envs  # noqa: E402
 from dinfer_rt.demo import task  # noqa: E402
 from dinfer_rt.demo.bench import evaluate  # noqa: E402
+from dinfer_rt.engine_args import EngineArgs  # noqa: E402
 from dinfer_rt.llm import LLM  # noqa: E402
 from dinfer_rt.loader import EMBEDDED_MODEL  # noqa: E402
 from dinfer_rt.sampling import SamplingParams  # noqa: E402
+
+ENGINE_FIELDS = [f.name for f in dataclasses.fields(EngineArgs)]
 
 CONFIGS = [
     dict(strategy="low_confidence", cache="none", block_length=8),
@@ -190,13 +194,20 @@ def targets(rows: list[dict]) -> list[str]:
 
 
 def dinfer_run(llms: dict[str, LLM], cfg: dict, batch: int, limit: int) -> Callable[[], dict]:
-    """``cfg``: SamplingParams fields, and ``matmul`` (which of ``llms``; default ``fp32``)."""
+    """``cfg``: SamplingParams and EngineArgs fields, and ``matmul`` (which of ``llms``; default
+    ``fp32``)."""
     fields = {k: v for k, v in cfg.items() if k != "matmul"}
+    engine = {k: fields.pop(k) for k in ENGINE_FIELDS if k in fields}
     llm = llms[cfg.get("matmul", "fp32")]
     params = SamplingParams(batch_size=batch, early_stop=False, **fields)
 
     def run() -> dict:
-        r = evaluate(llm, params, limit=limit)
+        saved = llm.engine_args
+        llm.engine_args = EngineArgs.build(saved, **engine)
+        try:
+            r = evaluate(llm, params, limit=limit)
+        finally:
+            llm.engine_args = saved
         return {"config": label(cfg), "system": "dinfer-rt", "batch": batch, **cfg, **r.as_dict()}
 
     return run

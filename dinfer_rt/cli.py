@@ -15,9 +15,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dinfer_rt import envs
+from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import DinferError
 from dinfer_rt.files import check_output_file
 from dinfer_rt.sampling import CACHES, STRATEGIES, SamplingParams
+from dinfer_rt.strategies import PRESETS, preset_fields
 
 
 def _int_in(low: int, high: int | None = None):
@@ -151,9 +153,16 @@ def _llm(a: argparse.Namespace):
         raise DinferError("--quantization with --tensor-parallel-size / --data-parallel-size is not supported yet")
     a.rank = _torchrun_rank(a)
     if a.rank is not None:
+        from dinfer_rt.model_runner import on_rank
         from dinfer_rt.parallel import load_sharded
 
-        return LLM(load_sharded(a.model, a.rank, tp, a.backend, a.dtype, a.expert_parallel))
+        model = load_sharded(a.model, a.rank, tp, a.backend, a.dtype, a.expert_parallel)
+        runner = on_rank(model)
+        if runner is None:  # a follower rank: it ran the lead's forwards until the lead's command ended
+            raise SystemExit(0)
+        llm = LLM(model, **_engine_args(a))
+        llm.runner = runner  # the followers are released when the lead leaves the group (main's end)
+        return llm
     a.rank = 0
     llm = LLM(
         a.model,
@@ -164,15 +173,80 @@ def _llm(a: argparse.Namespace):
         tensor_parallel_size=tp,
         data_parallel_size=dp,
         expert_parallel=getattr(a, "expert_parallel", False),
+        **_engine_args(a),
     )
     return _choose_template(llm, a)
 
 
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """How the engine runs (``EngineArgs``): apart from what a request means."""
+    d = EngineArgs()
+    p.add_argument("--sync-every", type=int, default=d.sync_every, help="check block completion every k steps")
+    p.add_argument(
+        "--max-forward-tokens",
+        type=int,
+        default=d.max_forward_tokens,
+        help="rows x computed positions per forward; a bigger batch runs in row slices",
+    )
+    p.add_argument(
+        "--no-confidence-head",
+        action="store_true",
+        help="greedy score-only rules read full logits instead of the fused confidence head",
+    )
+
+
+def _engine_args(a: argparse.Namespace) -> dict:
+    """The EngineArgs fields the engine flags set (validated where the engine is built)."""
+    return {
+        "sync_every": a.sync_every,
+        "max_forward_tokens": a.max_forward_tokens,
+        "confidence_head": not a.no_confidence_head,
+    }
+
+
+def _prefix_cache_args(a: argparse.Namespace) -> dict:
+    """``serve``'s prefix cache flags as the EngineArgs field (absent: the engine's default)."""
+    if a.no_prefix_cache:
+        if a.prefix_cache_bytes:
+            raise DinferError("serve: --no-prefix-cache contradicts --prefix-cache-bytes > 0; give one of them")
+        return {"prefix_cache_bytes": 0}
+    return {} if a.prefix_cache_bytes is None else {"prefix_cache_bytes": a.prefix_cache_bytes}
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     d = SamplingParams()
-    p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy)
+    # strategy and the editing knobs default to None: a --preset fills what is not given explicitly
+    p.add_argument(
+        "--preset",
+        choices=tuple(PRESETS),
+        default=None,
+        help="named decoding settings (llada2.1-quality: joint_threshold 0.7 / edit 0.5 / 16 post steps; "
+        "llada2.1-speed: 0.5 / 0.0 / 16); explicit flags override it",
+    )
+    p.add_argument("--strategy", choices=STRATEGIES, default=None, help=f"decision rule (default {d.strategy})")
     p.add_argument("--cache", choices=CACHES, default=d.cache)
-    p.add_argument("--threshold", type=float, default=d.threshold, help="confidence threshold (threshold rules)")
+    p.add_argument(
+        "--threshold", type=float, default=None, help=f"confidence threshold (threshold rules; default {d.threshold})"
+    )
+    p.add_argument(
+        "--edit-threshold",
+        type=float,
+        default=None,
+        help=f"joint_threshold: rewrite an unmasked token when another has probability above this (0: any "
+        f"disagreeing token; default {d.edit_threshold})",
+    )
+    p.add_argument(
+        "--max-post-steps",
+        type=int,
+        default=None,
+        help=f"joint_threshold: editing forwards after a block's last mask (default {d.max_post_steps})",
+    )
+    p.add_argument(
+        "--penalty-lambda",
+        type=float,
+        default=None,
+        help="joint_threshold: subtract from the logit of the previous slot's token (0: off, the default)",
+    )
     p.add_argument("--low-threshold", type=float, default=d.low_threshold, help="hierarchical: per-run threshold")
     p.add_argument("--factor", type=float, default=d.factor, help="factor rule's f")
     p.add_argument(
@@ -196,7 +270,6 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cfg-scale", type=float, default=d.cfg_scale, help="classifier-free guidance (0: off)")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--sync-every", type=int, default=d.sync_every, help="check block completion every k steps")
     p.add_argument("--no-early-stop", action="store_true", help="decode every block even after EOS")
     p.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable): a row ends once one is final")
@@ -215,12 +288,18 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 # SamplingParams fields whose CLI flag has the same name (``--gen-length`` -> gen_length)
 _SAME_NAMED = (
     "gen_length block_length steps strategy threshold low_threshold factor temperature cfg_scale cache "
-    "batch_size seed sync_every refresh_bound refresh_window precision_schedule precision_refresh"
+    "batch_size seed refresh_bound refresh_window precision_schedule precision_refresh "
+    "edit_threshold max_post_steps penalty_lambda"
 ).split()
 
 
 def _params(a: argparse.Namespace) -> SamplingParams:
     fields = {name: getattr(a, name) for name in _SAME_NAMED}
+    if getattr(a, "preset", None) is not None:  # the preset's values where no flag was given
+        for name, value in preset_fields(a.preset).items():
+            if fields.get(name) is None:
+                fields[name] = value
+    fields = {name: v for name, v in fields.items() if v is not None}  # unset: SamplingParams' default
     return SamplingParams(**fields, early_stop=not a.no_early_stop, chat=not a.raw, stop=tuple(a.stop)).validate()
 
 
@@ -260,7 +339,10 @@ def _generate_tensor_parallel(a: argparse.Namespace) -> int:
     parallel.check_split(parse_spec(a.model or default_model_path()), world, a.expert_parallel)  # before spawning
     rank = _torchrun_rank(a)
     if rank is not None:  # started by torchrun
-        outs = generate_on_rank(rank, world, a.model, a.prompts, _params(a), a.backend, a.dtype, a.expert_parallel)
+        outs = generate_on_rank(
+            rank, world, a.model, a.prompts, _params(a), a.backend, a.dtype, a.expert_parallel,
+            allow_mask_in_prompt=a.allow_mask_in_prompt, **_engine_args(a),
+        )  # fmt: skip
         if rank != 0:
             return 0
     else:  # worker processes this LLM starts (kept for its life: here, one call)
@@ -291,14 +373,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
         shutdown_after_requests=a.shutdown_after_requests,
         shutdown_after_s=a.shutdown_after_s,
         max_request_bytes=a.max_request_bytes,
+        engine_args={**_engine_args(a), **_prefix_cache_args(a)},
     )
     check_before_load(config, a.model, a.backend, a.dtype, a.data_parallel_size)  # before any allocation
-    _check_serve_defaults(a.model, defaults, config)
+    defaults = _check_serve_defaults(a.model, defaults, config)
     load = {"backend": a.backend, "dtype": a.dtype, "check_weights": not a.no_check_weights}
     if a.chat_template_name is not None:
         load["chat_template_name"] = a.chat_template_name
     load["quantization"] = a.quantization
-    if a.data_parallel_size > 1 or a.tensor_parallel_size > 1:
+    if a.data_parallel_size > 1 or a.tensor_parallel_size > 1 or a.engine_process:
         from dinfer_rt.server import engine_kwargs
         from dinfer_rt.workers import ReplicaPool
 
@@ -314,9 +397,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return serve(load_model(a.model, **load), defaults, config)
 
 
-def _check_serve_defaults(path, defaults: SamplingParams, config) -> None:
+def _check_serve_defaults(path, defaults: SamplingParams, config) -> SamplingParams:
     """The request settings a server applies by default, checked at start-up as the engine checks
-    every request: a default it would refuse is one error now, not a 400 on every request."""
+    every request: a default it would refuse is one error now, not a 400 on every request.
+    Returns them resolved for the model (``SamplingParams.for_model``: its block length)."""
     from dinfer_rt.engine import check_request
     from dinfer_rt.errors import GenerationError
     from dinfer_rt.loader import default_model_path
@@ -326,9 +410,14 @@ def _check_serve_defaults(path, defaults: SamplingParams, config) -> None:
     max_len = min(config.max_model_len or spec.max_length, spec.max_length)
     try:
         spec.check_cache_policy(defaults.cache)
-        check_request([0], defaults, None, vocab=spec.vocab, max_model_len=max_len, has_tokenizer=True)
+        defaults = defaults.for_model(spec)
+        check_request(
+            [0], defaults, None, vocab=spec.vocab, max_model_len=max_len, has_tokenizer=True,
+            block_causal=spec.block_causal,
+        )  # fmt: skip
     except GenerationError as e:
         raise DinferError(f"serve: every request would be refused with these defaults: {e}") from None
+    return defaults
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
@@ -458,13 +547,22 @@ def bench_on_rank(
     rank: int, world: int, path, n_prompts: int, params, warmup: int, iters: int, backend, dtype,
     expert_parallel=False, source: tuple = (None, None),
 ):  # fmt: skip
-    """``dinfer-rt bench`` on rank ``rank``'s shard: every rank runs the measured forwards."""
+    """``dinfer-rt bench`` on rank ``rank``'s shard: rank 0 measures, driving the group's forwards
+    (``model_runner``); the other ranks run them and return None."""
     from dinfer_rt.llm import LLM
+    from dinfer_rt.model_runner import on_rank
     from dinfer_rt.parallel import load_sharded
     from dinfer_rt.validation.perf import measure
 
-    llm = LLM(load_sharded(path, rank, world, backend, dtype, expert_parallel))
-    return measure(llm.model, bench_prompts(llm, n_prompts, params, source), params, warmup, iters)
+    model = load_sharded(path, rank, world, backend, dtype, expert_parallel)
+    runner = on_rank(model)
+    if runner is None:
+        return None
+    try:
+        llm = LLM(model)
+        return measure(model, bench_prompts(llm, n_prompts, params, source), params, warmup, iters, runner=runner)
+    finally:
+        runner.stop()
 
 
 def cmd_validate(a: argparse.Namespace) -> int:
@@ -625,6 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_parallel_args(g)
     _add_model_args(g)
     _add_sampling_args(g)
+    _add_engine_args(g)
     g.set_defaults(func=cmd_generate)
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: localhost only)")
@@ -657,8 +756,22 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument(
         "--expert-parallel", action="store_true", help="MoE layers: split whole experts over the ranks (E/N each)"
     )
+    sv.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine in its own process, apart from the HTTP front (always so with replicas or ranks)",
+    )
+    sv.add_argument(
+        "--prefix-cache-bytes",
+        type=_int_in(0),
+        default=None,
+        help="block prefix cache budget across requests (block-causal models; default: 10%% of free CUDA/ROCm "
+        "memory, else 1 GiB; 0: off)",
+    )
+    sv.add_argument("--no-prefix-cache", action="store_true", help="turn the block prefix cache off")
     _add_model_args(sv)
     _add_sampling_args(sv)
+    _add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)
 
     e = sub.add_parser("eval", help="accuracy and speed: the embedded model's held-out set, or --data FILE.jsonl")
@@ -678,6 +791,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_args(e)
     _add_sampling_args(e)
+    _add_engine_args(e)
     _add_parallel_args(e)
     e.set_defaults(func=cmd_eval, batch_size=50)
     k = sub.add_parser("bench", help="per-step latency, tokens/s and peak memory of one configuration")
@@ -689,6 +803,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-len", type=_int_in(1), default=None, help="random prompts of N token ids")
     _add_model_args(k)
     _add_sampling_args(k)
+    _add_engine_args(k)
     _add_parallel_args(k)
     k.set_defaults(func=cmd_bench, batch_size=8)
     val = sub.add_parser("validate", help="prove backends against the float64 reference; report and verdict")

@@ -41,9 +41,11 @@ import torch
 
 from dinfer_rt import cache_policy, strategies
 from dinfer_rt.cache_policy import Spans
+from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import GenerationError
 from dinfer_rt.ir import ops
-from dinfer_rt.model import KVCache, Model
+from dinfer_rt.model import Model
+from dinfer_rt.model_runner import ForwardInputs, RowWindows
 from dinfer_rt.precision import PrecisionSchedule
 from dinfer_rt.sampling import SamplingParams
 
@@ -97,11 +99,12 @@ def check_token_ids(prompts: list[list[int]], vocab: int) -> None:
                 )
 
 
-def uses_confidence_head(params: SamplingParams) -> bool:
+def uses_confidence_head(params: SamplingParams, args: EngineArgs | None = None) -> bool:
     """Whether a request's decisions need only each slot's argmax and one score (the fused
-    confidence head): greedy, unguided, a rule in ``STATS_ONLY``, and not turned off."""
+    confidence head): greedy, unguided, a rule in ``STATS_ONLY``, and not turned off by the
+    engine (``EngineArgs.confidence_head``)."""
     return (
-        params.confidence_head
+        (args is None or args.confidence_head)
         and params.strategy in strategies.STATS_ONLY
         and params.temperature == 0
         and params.cfg_scale == 0
@@ -111,11 +114,22 @@ def uses_confidence_head(params: SamplingParams) -> bool:
 class Cohort:
     """Rows decoded in one frame, block by block: the decode state and its step.
 
-    ``cache`` is assigned by the engine before the first forward: this cohort's rows of the
-    engine's KV cache ([B, >= N] views, or None when the policy caches nothing)."""
+    ``run`` is assigned by the engine before the first forward: its runner
+    (``model_runner.py``), which runs a forward's inputs on every rank; the cohort's rows of the
+    engine's KV-cache pool start at ``start_row``."""
 
-    def __init__(self, model: Model, prompts: list[list[int]], params: SamplingParams) -> None:
-        params.validate()
+    def __init__(
+        self, model: Model, prompts: list[list[int]], params: SamplingParams, args: EngineArgs | None = None
+    ) -> None:
+        params = params.for_model(model.spec)  # validated, its block length resolved
+        args = args or EngineArgs()
+        if args.sync_every > (limit := params.max_block_steps()):
+            raise GenerationError(
+                f"sync_every {args.sync_every} must be <= {limit}: a block runs at most {limit} steps "
+                f"(4 x block_length {params.block_length} + {params.steps_per_block()} steps per block), so "
+                "its completion would never be checked"
+            )
+        self.sync_every, self.max_forward_tokens = args.sync_every, args.max_forward_tokens
         model.spec.check_cache_policy(params.cache)
         if not prompts or any(len(p) == 0 for p in prompts):
             raise GenerationError("every prompt must have at least one token")
@@ -136,11 +150,14 @@ class Cohort:
         attn = torch.cat((prompt_mask, torch.ones(b, g, dtype=torch.long)), dim=1)
         self.attn = None if attn.all() else attn
         self.rule = strategies.build(params)
+        # an editing rule (joint_threshold) rewrites unmasked slots of the block: a token is final
+        # only when its block ends, per row (``block_final``), not when it is unmasked
+        self.editing = params.strategy in strategies.EDITING
         self.scheduled = params.strategy in strategies.SCHEDULED
         self.per_block = params.steps_per_block()
         self.gen = torch.Generator().manual_seed(params.seed)
         self.block_size = lb if model.spec.block_causal else None
-        self.use_confidence = uses_confidence_head(params)
+        self.use_confidence = uses_confidence_head(params, args)
         self.score = strategies.SCORE_KIND.get(params.strategy, "max")
         self.schedule = None
         if params.precision_schedule is not None:
@@ -161,14 +178,21 @@ class Cohort:
         self.done = torch.zeros(b, dtype=torch.bool, device=dev)
         self.any_done = False  # some row finished (no sync needed to know)
         self.committed = torch.zeros(b, dtype=torch.long, device=dev)
+        self.edits = torch.zeros(b, dtype=torch.long)  # token-to-token rewrites per row (editing rules)
+        self.post_steps = torch.zeros(b, dtype=torch.long)  # forwards a row's block started with no mask
+        self.unreported = [0, 0]  # (edits, post steps) since the engine last read them
+        self.block_final = torch.zeros(b, dtype=torch.bool)  # editing: the row's current block is final
         self.commit_step = torch.full((b, g), -1, dtype=torch.long, device=dev)
         self._ones = torch.ones(b, dtype=torch.long, device=dev)  # the quota of the unscheduled rules
         self.stop: StopCheck | None = None
         self.requests: list = []  # the engine's Request of each row
         self.start_row = 0  # the first of its rows in the engine's KV-cache pool
-        # the cache and its policy's counters
-        self.cache: KVCache | None = None
+        self.run: Callable[[ForwardInputs], object] | None = None  # the engine's runner
+        # the cache policy's counters
         self.prev_start: int | None = None  # block-causal: the previous block's start
+        # block-causal: leading positions whose K/V the engine copied from its prefix cache before
+        # the first forward (``prefix_cache.py``); that forward computes from here, not from 0
+        self.cached_prefix = 0
         # adaptive / anchored / delayed: tokens each row committed since the last full refresh
         # (not counted when no bound applies: on a device the count is a host sync per step)
         counted = params.cache in ("adaptive", "anchored", "delayed") and math.isfinite(params.refresh_limit())
@@ -215,6 +239,10 @@ class Cohort:
         self.plan = strategies.linear_schedule(masked, self.per_block).to(self.x.device)
         self.state: dict = {}
         self.step = 0
+        if self.editing:  # the block's prompt slots are fixed now: what is not masked at its start
+            self.prompt_block = (self.x[:, self.s : self.e] != self.mask_id).cpu()
+            self.block_final = self.done.cpu().clone()
+            self.block_post = torch.zeros(self.b, dtype=torch.long)  # this block's no-mask steps per row
 
     def _end_block(self) -> None:
         """The block is final: rows the stop check stops finish (the rest of them filled)."""
@@ -231,6 +259,7 @@ class Cohort:
         if not bool(self.done[r]):
             self.done[r] = True
             self.any_done = True
+            self.block_final[r] = True
             row = self.x[r]
             row.masked_fill_(row == self.mask_id, self.fill_id)
 
@@ -245,7 +274,8 @@ class Cohort:
                 self.started = True
                 self._start_block()
             is_mask = self.x[:, self.s : self.e] == self.mask_id
-            if self.step % p.sync_every == 0 and not bool(is_mask.any()):  # the host sync
+            block_done = bool(self.block_final.all()) if self.editing else not bool(is_mask.any())
+            if self.step % self.sync_every == 0 and block_done:  # the host sync
                 self._end_block()
                 self.s += p.block_length
                 if self.s >= self.n or bool(self.done.all()):
@@ -297,15 +327,18 @@ class Cohort:
         pending = int(self.pending.max()) if self.pending is not None else 0
         active: tuple[int, ...] = ()
         if p.cache == "delayed":
-            if self.device_rule is not None and self.x.device.type != "cpu":  # on a device: whole block, no sync
+            if self.editing or (self.device_rule is not None and self.x.device.type != "cpu"):
+                # an editing rule may rewrite any slot; on a device: no sync. The whole block
                 active = tuple(range(s if self.step else max(self.p_len, s - p.block_length), e))
             else:
                 masked = (self.x[:, s:e] == self.mask_id).any(0).nonzero().flatten() + s
                 active = tuple(sorted(set(masked.tolist()) | set(self.last_commits)))
         block_causal = self.model.spec.block_causal
+        # the first block's first forward starts past the cached prefix (block-causal: exact)
+        prev_start = self.prev_start if self.prev_start is not None else (self.cached_prefix or None)
         spans, restart = cache_policy.step_window(
             p, s=s, e=e, n=n, prompt_len=self.p_len, step=self.step, forward=self.nfe,
-            pending=pending, block_causal=block_causal, prev_start=self.prev_start, active=active,
+            pending=pending, block_causal=block_causal, prev_start=prev_start, active=active,
         )  # fmt: skip
         if block_causal and self.step == 0:
             self.prev_start = s
@@ -358,23 +391,21 @@ class Cohort:
         # Rows run in slices of at most max_forward_tokens computed positions: a long refresh of a
         # big batch then holds a slice's activations, not the whole batch's (chunked prefill).
         width = len(w.compute)
-        mft = self.params.max_forward_tokens
+        mft = self.max_forward_tokens
         per = max(1, mft // width) if mft else self.b
         slices = [(r, min(r + per, self.b)) for r in range(0, self.b, per)]
 
-        def rows(r0: int, r1: int):
+        def rows(r0: int, r1: int, select: torch.Tensor | None = None) -> ForwardInputs:
             whole = r0 == 0 and r1 == self.b
-            cache = None if not w.cached else (self.cache if whole else self.cache.rows(r0, r1))
+            cache = (self.start_row + r0, r1 - r0, self.n) if w.cached else None
             attn = self.attn if self.attn is None or whole else self.attn[r0:r1]
-            return (x if whole else x[r0:r1]), attn, cache
+            return ForwardInputs(
+                x if whole else x[r0:r1], attn, compute=compute, cache=cache, select=select, score=self.score,
+                block_size=self.block_size, precision=w.precision,
+            )  # fmt: skip
 
         if not self.use_confidence:
-            parts = []
-            for r0, r1 in slices:
-                xs, attn, cache = rows(r0, r1)
-                parts.append(
-                    m.forward(xs, attn, cache=cache, compute=compute, block_size=self.block_size, precision=w.precision)
-                )
+            parts = [self.run(rows(r0, r1)) for r0, r1 in slices]
             logits = torch.cat(parts) if len(parts) > 1 else parts[0]
             if isinstance(w.where, int):
                 return logits[:, w.where : w.where + e - s]
@@ -389,21 +420,7 @@ class Cohort:
             select = self._block_slots() if isinstance(w.where, int) else w.where + s
         else:
             select = torch.arange(s, e)[(x[:, s:e] == m.mask_id).any(0)]
-        outs = []
-        for r0, r1 in slices:
-            xs, attn, cache = rows(r0, r1)
-            outs.append(
-                m.confidence(
-                    xs,
-                    attn,
-                    select=select,
-                    score=self.score,
-                    cache=cache,
-                    compute=compute,
-                    block_size=self.block_size,
-                    precision=w.precision,
-                )  # fmt: skip
-            )
+        outs = [self.run(rows(r0, r1, select)) for r0, r1 in slices]
         conf, token = outs[0] if len(outs) == 1 else (torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]))
         if self.device_rule is not None:
             if isinstance(w.where, int):
@@ -423,7 +440,7 @@ class Cohort:
         u = x.clone()
         u[:, : self.p_len] = self.mask_id
         attn = None if self.attn is None else torch.cat((self.attn, self.attn))
-        both = self.model.forward(torch.cat((x, u)), attn, block_size=self.block_size, precision=precision)
+        both = self.run(ForwardInputs(torch.cat((x, u)), attn, block_size=self.block_size, precision=precision))
         cond, uncond = both.chunk(2)
         return uncond + (self.params.cfg_scale + 1) * (cond - uncond)
 
@@ -437,11 +454,10 @@ class Cohort:
         computed = w.compute
         offsets = None if isinstance(w.where, int) else w.where
         block = self._block_slots() if offsets is None else offsets + s
-        shift = self.model.spec.shift_logits
-        pred = block - 1 if shift else block
+        pred = self.model.predicting(block)
         rest = computed
-        if shift:  # position i is predicted by the output at i - 1
-            rest = torch.unique(torch.cat((computed, (computed - 1).clamp_min(0))))
+        if self.model.spec.shift_logits:  # the outputs that predict the computed positions too
+            rest = torch.unique(torch.cat((computed, self.model.predicting(computed))))
         rest = rest[~torch.isin(rest, pred)]
         return torch.cat((pred, rest)), len(pred), offsets
 
@@ -477,6 +493,8 @@ class Cohort:
     def decide(self, out) -> torch.Tensor:
         """Apply the rule to this step's block-aligned outputs and commit in place; returns the
         commit mask [B, L]."""
+        if self.editing:
+            return self._decide_editing(out)
         s, e, masked, quota = self.s, self.e, self.masked, self.quota
         if self.device_rule is not None:  # the backend's kernel decides and writes the block in place
             commit = self.commit(out[1], masked, quota, out[0], self.x[:, s:e], rule=self.device_rule)
@@ -511,23 +529,99 @@ class Cohort:
         x0, commit = self.rule(step_in)
         return x0.to(masked.device), commit.to(masked.device) & masked
 
+    def _decide_editing(self, out) -> torch.Tensor:
+        """One step of an editing rule (joint_threshold), batched over the rows: mask-to-token and
+        token-to-token writes from the same forward, then each row's block end
+        (:func:`strategies.joint_threshold_block_end`). Rows whose block is final decide nothing.
+        Returns the mask-to-token commit mask [B, L] (edits are counted in ``self.edits``)."""
+        s, e, p = self.s, self.e, self.params
+        current = self.x[:, s:e].clone()
+        masked = self.masked  # masked at the start of the step (the rows still running)
+        live = ~self.block_final
+        has_mask = masked.any(-1)
+        post = live & ~has_mask
+        self.block_post += post.long()
+        no_edit = torch.zeros_like(has_mask)  # whether the step decides does not depend on its edits
+        decide, _ = strategies.joint_threshold_block_end(has_mask, no_edit, self.block_post, p.max_post_steps)
+        deciding = live & decide
+        masked = masked & deciding[:, None]
+        editable = ~masked & ~(current == self.mask_id) & ~self.prompt_block & deciding[:, None]
+        saved = (dict(self.state), self.gen.get_state()) if self.precision is not None else None
+        x0, write = self._edit_rule(out, masked, current, editable)
+        if self.precision is not None and (deciding & ~(masked & ~write).any(-1)).any():
+            # some row's block could end after this step: the full-precision model decides it
+            self.state.clear()
+            self.state.update(saved[0])
+            self.gen.set_state(saved[1])
+            self.window = self._plan(None)
+            x0, write = self._edit_rule(self.forward(self.window), masked, current, editable)
+        commit, edit = write & masked, write & editable
+        self.x[:, s:e] = torch.where(commit | edit, x0, current)
+        _, ends = strategies.joint_threshold_block_end(has_mask, edit.any(-1), self.block_post, p.max_post_steps)
+        self.block_final |= live & ends
+        n_edits = edit.sum(-1)
+        self.edits += n_edits
+        self.post_steps += post.long()
+        self.unreported[0] += int(n_edits.sum())
+        self.unreported[1] += int(post.sum())
+        self.committed += commit.sum(-1)
+        if self.pending is not None:
+            self.pending += (commit | edit).sum(-1)
+        if self.params.cache == "delayed":
+            self.last_commits = tuple(((commit | edit).any(0).nonzero().flatten() + self.block_start).tolist())
+        lo = max(s, self.p_len)
+        written = (commit | edit)[:, lo - s :]
+        self.commit_step[:, lo - self.p_len : e - self.p_len].masked_fill_(written, self.last_forward)
+        self.step += 1
+        return commit
+
+    def _edit_rule(self, out, masked, current, editable) -> tuple[torch.Tensor, torch.Tensor]:
+        """The editing rule on the block's logits, on the logits' device; results on the host."""
+        out[..., self.mask_id] = float("-inf")  # never write the mask token
+        dev = out.device
+        step_in = strategies.StepInput(
+            out, masked.to(dev), self.quota.to(dev), self.params.temperature, self.gen, self.state,
+            current=current.to(dev), editable=editable.to(dev),
+        )  # fmt: skip
+        x0, write = self.rule(step_in)
+        write = write.to(masked.device) & (masked | editable)
+        return x0.to(masked.device), write
+
     # ---------------------------------------------------------------- results
     def generated(self) -> torch.Tensor:
-        """[B, G] the generated slots as they stand."""
+        """[B, G] the generated slots as they stand (with an editing rule, the current block's
+        tokens are provisional: :meth:`final_lengths`)."""
         return self.x[:, self.p_len :]
 
+    def final_lengths(self, generated: torch.Tensor | None = None) -> list[int]:
+        """Per row, how many generated slots are final (can no longer change): up to the first
+        slot still masked; with an editing rule, only blocks that have ended (the current block
+        once the row's block is final), since any unmasked slot of the block may still be
+        rewritten. ``generated``: :meth:`generated` on the host, if the caller has it."""
+        gen = (self.generated() if generated is None else generated).cpu()
+        g = gen.shape[1]
+        is_mask = gen == self.mask_id
+        first = torch.where(is_mask.any(-1), is_mask.long().argmax(-1), torch.full((self.b,), g))
+        if not self.editing or self.finished:
+            return first.tolist()
+        if not self.started:
+            return [0] * self.b
+        ends = torch.where(self.block_final, self.e, self.s) - self.p_len
+        return torch.minimum(ends.clamp(0, g), first).tolist()
 
-def forward_rows(model: Model, cohorts: list[Cohort], cache: KVCache | None) -> tuple[list, int, int]:
+
+def forward_rows(cohorts: list[Cohort], run: Callable[[ForwardInputs], object], cached: bool) -> tuple[list, int, int]:
     """One forward for several cohorts at different blocks, each row with its own query window
-    (``Model.forward_rows``); returns each cohort's block-aligned outputs, the queries per row
-    (padded) and the real queries in all. Rows are the cohorts'
-    rows in order (cache rows 0..B-1); queries past a row's window are padding that writes a
-    scratch slot (the last of the cache) no key ever sees. The confidence head is used when
-    every cohort uses it with one score kind, else logits for all."""
+    (``Model.forward_rows``), run by the engine's runner ``run``; returns each cohort's
+    block-aligned outputs, the queries per row (padded) and the real queries in all. Rows are the
+    cohorts' rows in order (pool rows 0..B-1); queries past a row's window are padding that
+    writes a scratch slot (the last of the cached length) no key ever sees. The confidence head
+    is used when every cohort uses it with one score kind, else logits for all."""
+    model = cohorts[0].model
     b = sum(c.b for c in cohorts)
     plans = [c.queries() for c in cohorts]
     t = max(len(q) for q, _, _ in plans)
-    uncached = cache is None
+    uncached = not cached
     s_len = t if uncached else max(c.n for c in cohorts) + 1
     scratch = s_len - 1
     token_index = torch.full((b, t), scratch, dtype=torch.long)
@@ -551,13 +645,16 @@ def forward_rows(model: Model, cohorts: list[Cohort], cache: KVCache | None) -> 
     confidence = all(c.use_confidence for c in cohorts) and len({c.score for c in cohorts}) == 1
     block_size = cohorts[0].block_size
     k_max = max(k for _, k, _ in plans)
-    if confidence:
-        out = model.forward_rows(
-            input_ids, token_index, positions, key_valid, cache,
-            select=torch.arange(min(k_max, t)), score=cohorts[0].score, block_size=block_size,
+    out = run(
+        ForwardInputs(
+            input_ids,
+            rows=RowWindows(token_index, positions, key_valid),
+            cache=None if uncached else (0, b, s_len),
+            select=torch.arange(min(k_max, t)) if confidence else None,
+            score=cohorts[0].score,
+            block_size=block_size,
         )  # fmt: skip
-    else:
-        out = model.forward_rows(input_ids, token_index, positions, key_valid, cache, block_size=block_size)
+    )
     results, r = [], 0
     for c, (_, k, offsets) in zip(cohorts, plans):
         part = (out[0][r : r + c.b], out[1][r : r + c.b]) if confidence else out[r : r + c.b]

@@ -30,8 +30,11 @@ from dataclasses import dataclass, field
 import torch
 
 from dinfer_rt.decode import BatchResult, Cohort, StopCheck, check_token_ids, forward_rows
+from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import GenerationError
-from dinfer_rt.model import KVCache, Model
+from dinfer_rt.model import Model
+from dinfer_rt.model_runner import LocalRunner
+from dinfer_rt.prefix_cache import CachedBlock, PrefixCache, default_budget
 from dinfer_rt.sampling import SamplingParams
 from dinfer_rt.stopping import before_eos, cut_at_stop, first_stop
 
@@ -63,9 +66,15 @@ class Request:
     error: BaseException | None = None
     final_ids: list[int] = field(default_factory=list)  # generated ids that can no longer change
     canvas: list[int] | None = None  # the whole generated region after the last step (return_canvas)
+    canvas_final: int = 0  # how many leading canvas slots are final (the rest may still change)
+    stream_provisional: bool = False  # also publish the provisional tail (an editing rule's open block)
+    provisional_ids: list[int] = field(default_factory=list)  # after final_ids, up to the first mask: may change
+    edits: int = 0  # token-to-token rewrites (editing rules)
+    post_steps: int = 0  # forwards its block started with no mask (editing rules)
     output_ids: list[int] = field(default_factory=list)  # at finish: cut at EOS, stop string, max_tokens
     text: str = ""
     forwards: int = 0  # forwards this request took part in
+    cached_tokens: int = 0  # prompt tokens whose K/V were copied from the prefix cache
     admitted: float | None = None
     finished: float | None = None
     cohort: Cohort | None = field(default=None, repr=False)  # its decode state (from submit on)
@@ -87,6 +96,8 @@ class EngineStats:
     per_row_steps: int = 0  # forwards of several cohorts with per-row query windows
     finished: int = 0
     failed: int = 0
+    edits: int = 0  # token-to-token rewrites (editing rules)
+    post_steps: int = 0  # row-forwards whose block had no mask left (editing rules)
 
 
 def check_request(
@@ -97,10 +108,11 @@ def check_request(
     vocab: int,
     max_model_len: int,
     has_tokenizer: bool,
+    block_causal: bool = False,
 ) -> int:
     """The engine's admission checks: a ``GenerationError`` naming the field, else ``max_tokens``
     (default ``params.gen_length``)."""
-    params.validate()
+    params.validate(block_causal=block_causal)
     if not prompt:
         raise GenerationError("prompt: at least one token is needed")
     check_token_ids([prompt], vocab)
@@ -130,43 +142,52 @@ def notify(req: Request, event: str) -> None:
 class Engine:
     """Continuous batching over one model: ``submit`` requests, call ``step`` until idle.
 
-    ``max_num_seqs`` rows run at once; ``max_num_batched_tokens`` bounds the query slots of one
+    ``args`` (:class:`~dinfer_rt.engine_args.EngineArgs`, or its fields as keywords) says how it
+    runs: ``max_num_seqs`` rows at once; ``max_num_batched_tokens`` bounds the query slots of one
     forward at admission (a cohort's first forward computes its whole sequence), so a long
     prompt waits for room instead of stalling every running row; ``max_queue`` bounds the
     waiting requests (``QueueFull`` past it); ``max_model_len`` sizes the KV-cache pool
     (default: the model's max length). ``block_length``: the served default block length of a
     block-causal model (LLaDA2; reported to front ends). Cohorts of block-causal models with
-    different block lengths (their masks differ) take separate forwards."""
+    different block lengths (their masks differ) take separate forwards. ``prefix_cache_bytes``:
+    the budget of the block prefix cache across requests (``prefix_cache.py``; block-causal
+    models only, where reuse is exact; 0: off, None: the default budget)."""
 
     def __init__(
         self,
         model: Model,
+        args: EngineArgs | None = None,
         *,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 4096,
-        max_queue: int | None = None,
-        max_model_len: int | None = None,
         block_length: int | None = None,
         scratch_slot: bool = True,
+        runner: LocalRunner | None = None,
+        **fields,
     ) -> None:
-        if max_num_seqs < 1 or max_num_batched_tokens < 1 or (max_queue is not None and max_queue < 0):
-            raise GenerationError("Engine: max_num_seqs and max_num_batched_tokens must be >= 1, max_queue >= 0")
+        self.args = args = EngineArgs.build(args, **fields)
         self.model = model
-        self.max_num_seqs, self.max_num_batched_tokens, self.max_queue = max_num_seqs, max_num_batched_tokens, max_queue
+        self.max_num_seqs, self.max_num_batched_tokens = args.max_num_seqs, args.max_num_batched_tokens
+        self.max_queue, max_model_len = args.max_queue, args.max_model_len
         if max_model_len is not None and not 1 <= max_model_len <= model.spec.max_length:
             raise GenerationError(
                 f"Engine: max_model_len {max_model_len} must be in [1, {model.spec.max_length}] "
                 "(the model's max length)"
             )
         self.max_model_len = max_model_len or model.spec.max_length
-        self.block_size = (block_length or SamplingParams().block_length) if model.spec.block_causal else None
+        default = SamplingParams().for_model(model.spec).block_length
+        self.block_size = (block_length or default) if model.spec.block_causal else None
         self.mask_id, self.eos = model.mask_id, set(model.eos_ids)
         # + a scratch slot that per-row padding queries write (without it, cohorts never share a
         # forward: what a static batch of one cohort wants, its cache then one contiguous buffer,
         # which the native kernels read in place); from the model's pool, so a static batch's
         # engine writes the buffers of the last one (device graphs bind them)
         self.scratch_slot = scratch_slot
-        self.cache = model.cache_pool.acquire(max_num_seqs, self.max_model_len + int(scratch_slot))
+        self.cache = model.cache_pool.acquire(self.max_num_seqs, self.max_model_len + int(scratch_slot))
+        # what runs each forward: in this process, or (tensor parallel) on every rank of the group
+        self.runner = runner or LocalRunner(model)
+        self.runner.bind(self.cache)
+        self.prefix_cache = self._prefix_cache(args.prefix_cache_bytes)
+        self._prefix_held: dict[Cohort, list[CachedBlock]] = {}  # the cached blocks each cohort holds
+        self._prefix_fresh: list[Cohort] = []  # admitted this step: their prompt blocks are cached after the forward
         self.cohorts: list[Cohort] = []  # row order: cohort i holds the rows after cohort i - 1's
         self.waiting: deque[list[Request]] = deque()  # groups admitted together (one cohort each)
         self.stats = EngineStats()
@@ -186,12 +207,16 @@ class Engine:
         request_id: str | None = None,
         listener: Listener | None = None,
         return_canvas: bool = False,
+        stream_provisional: bool = False,
     ) -> Request:
         """Validate and queue a request (ids). ``max_tokens`` cuts the output (default
-        ``params.gen_length``, which must hold it). Raises ``GenerationError`` naming the field."""
+        ``params.gen_length``, which must hold it). ``stream_provisional``: "update" events also
+        when the provisional tail changes (``Request.provisional_ids``: an editing rule's open
+        block, which may still be rewritten). Raises ``GenerationError`` naming the field."""
         max_tokens = self.check_request(prompt, params, max_tokens)
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt), params, max_tokens, listener, return_canvas)
-        self._queue([req], Cohort(self.model, [req.prompt], params))
+        req.stream_provisional = bool(stream_provisional)
+        self._queue([req], Cohort(self.model, [req.prompt], params, self.args))
         return req
 
     def submit_batch(
@@ -200,7 +225,7 @@ class Engine:
         """Queue a static batch: one cohort, its prompts left-padded into one frame, decoded in
         lockstep block by block (``LLM.generate``). ``stop`` is asked at the end of every block
         for each row still running; a row it stops finishes like one that produced EOS."""
-        cohort = Cohort(self.model, prompts, params)
+        cohort = Cohort(self.model, prompts, params, self.args)
         if cohort.b > self.max_num_seqs:
             raise GenerationError(f"a batch of {cohort.b} prompts exceeds max_num_seqs {self.max_num_seqs}")
         if cohort.n > self.max_model_len:
@@ -214,10 +239,60 @@ class Engine:
             self._queue(reqs, cohort)
             return reqs
         for rows in groups:
-            part = Cohort(self.model, [prompts[i] for i in rows], params)
+            part = Cohort(self.model, [prompts[i] for i in rows], params, self.args)
             part.stop = None if stop is None else (lambda r, ids, rows=rows: stop(rows[r], ids))
             self._queue([reqs[i] for i in rows], part)
         return reqs
+
+    # ---------------------------------------------------------------- prefix cache
+    def _prefix_cache(self, budget: int | None) -> PrefixCache | None:
+        """The block prefix cache, where reuse is exact: a block-causal model (a block's K/V
+        depend only on it and the blocks before it), whose block outputs do not read the
+        previous position (no shifted logits), run by this process alone (a tensor-parallel
+        group's pool is sharded over its ranks). ``budget`` 0 turns it off."""
+        spec = self.model.spec
+        if budget == 0 or not spec.block_causal or spec.shift_logits or type(self.runner) is not LocalRunner:
+            return None
+        return PrefixCache(default_budget(self.model.backend.device()) if budget is None else budget)
+
+    def _prefix_exact(self, cohort: Cohort) -> bool:
+        """Whether the cohort's pool rows hold exact K/V of its finished blocks (and so may be
+        cached): a cached policy (``none`` writes no cache), no precision schedule (low-precision
+        forwards write K/V) and no guidance (uncached forwards)."""
+        p = cohort.params
+        return self.prefix_cache is not None and p.cache != "none" and cohort.schedule is None and p.cfg_scale == 0
+
+    def _prefix_lookup(self, cohort: Cohort) -> None:
+        """At admission: copy the K/V of the longest cached prefix of the prompt's whole blocks
+        before its first decoded block (a lone row) into the cohort's pool row, so its first
+        forward computes only the rest. Not under ``vicinity``'s warm-up, whose first forwards
+        recompute every position anyway."""
+        p = cohort.params
+        if not self._prefix_exact(cohort) or cohort.b != 1 or (p.cache == "vicinity" and p.vicinity_warmup > 0):
+            return
+        if cohort.s < cohort.block_size:  # the prompt's tail is in the first block: nothing to look up
+            return
+        req, lb = cohort.requests[0], cohort.block_size
+        chain = self.prefix_cache.lookup(req.prompt, lb, cohort.s // lb)
+        self._prefix_held[cohort] = chain
+        if chain:
+            cohort.cached_prefix = req.cached_tokens = PrefixCache.copy_into(chain, self.cache, cohort.start_row)
+
+    def _prefix_insert(self, cohort: Cohort, upto: int) -> None:
+        """Cache each row's whole blocks before position ``upto`` (their K/V in the pool must be
+        exact: computed over these final tokens); the cohort holds them until it ends."""
+        lb = cohort.block_size
+        rows = [r for r in range(cohort.b) if cohort.pads[r] == 0]  # block-causal rows are never padded
+        if not rows or upto < lb:
+            return
+        x = cohort.x[:, :upto].cpu()
+        held = self._prefix_held.setdefault(cohort, [])
+        for r in rows:
+            held += self.prefix_cache.insert(x[r].tolist(), lb, upto // lb, self.cache, cohort.start_row + r)
+
+    def _prefix_release(self, cohort: Cohort) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(self._prefix_held.pop(cohort, []))
 
     def _on_forward(self, wall: float) -> int:
         self.forward_s.append(wall)
@@ -228,6 +303,7 @@ class Engine:
             req.cohort, req.row = cohort, row
         cohort.requests = group
         cohort.on_forward = self._on_forward
+        cohort.run = self.runner
         with self._lock:
             if self.closed:
                 raise EngineClosed("the engine is shutting down and admits no new requests")
@@ -240,7 +316,7 @@ class Engine:
         routing): a ``GenerationError`` naming the field, else the request's ``max_tokens``."""
         return check_request(
             prompt, params, max_tokens, vocab=self.model.spec.vocab, max_model_len=self.max_model_len,
-            has_tokenizer=self.model.tokenizer is not None,
+            has_tokenizer=self.model.tokenizer is not None, block_causal=self.model.spec.block_causal,
         )  # fmt: skip
 
     def abort(self, request_id: str) -> None:
@@ -258,9 +334,12 @@ class Engine:
 
     def release(self) -> None:
         """Hand the KV cache back to the model's pool (an engine for one static batch)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         if self.cache is not None:
             self.model.cache_pool.release(self.cache)
             self.cache = None
+            self.runner.bind(None)
 
     @property
     def num_waiting(self) -> int:
@@ -290,12 +369,15 @@ class Engine:
         self._admit(finished)
         if not self.cohorts:
             return finished
+        fresh, self._prefix_fresh = self._prefix_fresh, []
         try:
             self._forward_and_decide()
         except Exception as err:  # fail this step's requests, keep serving
             for cohort in list(self.cohorts):
                 self._end_cohort(cohort, "error", finished, err)
             return finished
+        for cohort in fresh:  # their first forward computed the prompt's whole blocks: shared from now on
+            self._prefix_insert(cohort, cohort.s)
         for cohort in list(self.cohorts):
             self._check_final(cohort, finished)
         return finished
@@ -334,11 +416,13 @@ class Engine:
                     return
                 self.waiting.popleft()
             cohort.start_row = rows
-            self._bind_cache(cohort)
             try:
+                if self.prefix_cache is not None:
+                    self._prefix_lookup(cohort)
                 if not cohort.prepare():
                     raise GenerationError("nothing to generate")
             except Exception as err:
+                self._prefix_release(cohort)
                 for req in group:
                     self._finish(req, "error", err)
                     finished.append(req)
@@ -347,13 +431,10 @@ class Engine:
             for req in group:
                 req.status, req.admitted = "running", now
             self.cohorts.append(cohort)
+            if self._prefix_exact(cohort):
+                self._prefix_fresh.append(cohort)
             rows += cohort.b
             used += cohort.b * len(cohort.window.compute)
-
-    def _bind_cache(self, cohort: Cohort) -> None:
-        """The cohort's rows of the pool, [b, n] views (the lockstep forward's cache)."""
-        a, b, n = cohort.start_row, cohort.b, cohort.n
-        cohort.cache = KVCache([k[a : a + b, :n] for k in self.cache.k], [v[a : a + b, :n] for v in self.cache.v])
 
     def _forward_and_decide(self) -> None:
         cohorts, st = self.cohorts, self.stats
@@ -371,12 +452,8 @@ class Engine:
             return
         b = sum(c.b for c in cohorts)
         uncached = not self.model.spec.block_causal and all(c.params.cache == "none" for c in cohorts)
-        s_len = max(c.n for c in cohorts) + 1
-        cache = None
-        if not uncached:
-            cache = KVCache([k[:b, :s_len] for k in self.cache.k], [v[:b, :s_len] for v in self.cache.v])
         t0 = time.perf_counter()
-        outs, width, real = forward_rows(self.model, cohorts, cache)
+        outs, width, real = forward_rows(cohorts, self.runner, cached=not uncached)
         wall = time.perf_counter() - t0
         st.steps += 1
         st.per_row_steps += 1
@@ -398,21 +475,33 @@ class Engine:
     # ---------------------------------------------------------------- finishing
     def _check_final(self, cohort: Cohort, finished: list[Request]) -> None:
         """Publish each request's newly final tokens; finish it on EOS (with ``early_stop``), a
-        stop string or max_tokens; end the cohort when none of its requests runs."""
-        if cohort.step % cohort.params.sync_every:
+        stop string or max_tokens; end the cohort when none of its requests runs. What is final
+        is the cohort's word (``Cohort.final_lengths``): with an editing rule the open block's
+        tokens are provisional, so an EOS, a stop string or max_tokens only counts once final."""
+        self.stats.edits += cohort.unreported[0]
+        self.stats.post_steps += cohort.unreported[1]
+        cohort.unreported = [0, 0]
+        if cohort.step % cohort.sync_every:
             return  # read on the host where the cohort syncs: every sync_every steps
         gen = cohort.generated().cpu()
+        lengths = cohort.final_lengths(gen)
         for req in cohort.requests:
             if req.done:
                 continue
             row = gen[req.row]
-            masked = (row == self.mask_id).nonzero()
-            final = row[: int(masked[0]) if len(masked) else len(row)].tolist()
+            final = row[: lengths[req.row]].tolist()
+            req.edits, req.post_steps = int(cohort.edits[req.row]), int(cohort.post_steps[req.row])
             if req.return_canvas:
-                req.canvas = row.tolist()
+                req.canvas, req.canvas_final = row.tolist(), len(final)
+            revised = False
+            if req.stream_provisional:
+                rest = row[len(final) :]
+                masked = (rest == self.mask_id).nonzero()
+                tail = rest[: int(masked[0]) if len(masked) else len(rest)].tolist()
+                revised, req.provisional_ids = tail != req.provisional_ids, tail
             grew = len(final) > len(req.final_ids)
             req.final_ids = final
-            if grew or req.return_canvas:
+            if grew or req.return_canvas or revised:
                 notify(req, "update")
             if not grew:
                 continue
@@ -437,17 +526,26 @@ class Engine:
     ) -> None:
         """Finish the cohort's running requests and free its rows (later cohorts move in)."""
         gen = cohort.generated().cpu()
+        lengths = cohort.final_lengths(gen)
         for req in cohort.requests:
             if req.done:
                 continue
+            req.edits, req.post_steps = int(cohort.edits[req.row]), int(cohort.post_steps[req.row])
+            req.provisional_ids = []
             if err is None:
-                req.final_ids = before_eos(gen[req.row].tolist(), [self.mask_id])  # the final prefix
+                req.final_ids = gen[req.row, : lengths[req.row]].tolist()  # the final prefix
             kept = before_eos(req.final_ids, self.eos)
             stopped = reason == "length" and len(kept) < min(len(req.final_ids), req.max_tokens)
             self._finish(req, "stop" if stopped else reason, err)
             finished.append(req)
         if cohort not in self.cohorts:
+            self._prefix_release(cohort)
             return
+        if err is None and self._prefix_exact(cohort) and cohort.nfe > 0:
+            # every block before the last one decoded was recomputed from its final tokens at that
+            # block's first forward (the block-causal window starts at the previous block): exact
+            self._prefix_insert(cohort, cohort.block_start)
+        self._prefix_release(cohort)
         i = self.cohorts.index(cohort)
         self.cohorts.pop(i)
         last = self.cohorts[-1] if self.cohorts else None
@@ -458,15 +556,14 @@ class Engine:
 
     def _pack(self) -> None:
         """Move cohorts whose rows changed (their K/V copied; rows are only ever moved down)."""
-        row = 0
+        row, moves = 0, []
         for c in self.cohorts:
             if c.start_row != row:
-                a, b, n = c.start_row, c.b, c.n
-                for buf in (*self.cache.k, *self.cache.v):
-                    buf[row : row + b, :n].copy_(buf[a : a + b, :n].clone() if a < row + b else buf[a : a + b, :n])
+                moves.append((row, c.start_row, c.b, c.n))
                 c.start_row = row
-                self._bind_cache(c)
             row += c.b
+        if moves:
+            self.runner.move_rows(moves)
 
     def _finish(self, req: Request, reason: str, err: BaseException | None = None) -> None:
         ids = before_eos(req.final_ids, self.eos)[: req.max_tokens]
@@ -509,20 +606,28 @@ def batch_groups(cohort: Cohort, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def run_batch(
-    model: Model, prompts: list[list[int]], params: SamplingParams, stop: StopCheck | None = None
+    model: Model,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    stop: StopCheck | None = None,
+    runner: LocalRunner | None = None,
+    args: EngineArgs | None = None,
 ) -> BatchResult:
     """Decode a static batch through the engine (one cohort, lockstep): what ``LLM.generate``,
-    the validation runner and the benchmarks run. The first error of a request is raised."""
-    params.validate()
+    the validation runner and the benchmarks run. The first error of a request is raised.
+    ``runner``: what runs the forwards (default: this process; see ``model_runner``); ``args``:
+    the engine settings that apply to one batch (``sync_every``, ``max_forward_tokens``,
+    ``confidence_head``; its row and token bounds are the batch's own)."""
+    params = params.for_model(model.spec)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise GenerationError("every prompt must have at least one token")
     n = min(max(len(p) for p in prompts) + params.gen_length, model.spec.max_length)
     block = params.block_length if model.spec.block_causal else None
-    shared = len(batch_groups(Cohort(model, prompts, params), prompts)) > 1  # cohorts that share forwards
-    engine = Engine(
-        model, max_num_seqs=len(prompts), max_num_batched_tokens=2**62, max_model_len=n, block_length=block,
-        scratch_slot=shared,
-    )  # fmt: skip
+    args = EngineArgs.build(
+        args, max_num_seqs=len(prompts), max_num_batched_tokens=2**62, max_model_len=n, prefix_cache_bytes=0
+    )  # one batch: nothing to share across requests
+    shared = len(batch_groups(Cohort(model, prompts, params, args), prompts)) > 1  # cohorts that share forwards
+    engine = Engine(model, args, block_length=block, scratch_slot=shared, runner=runner)
     try:
         reqs = engine.submit_batch(prompts, params, stop=stop)
         start = time.perf_counter()

@@ -38,6 +38,8 @@ class DataResult:
     nfe: int
     tokens_per_s: float
     wall_s: float
+    edits: int = 0  # token-to-token rewrites, all items (editing rules)
+    post_steps: int = 0  # forwards after a block's last mask, all items (editing rules)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -154,4 +156,6 @@ def evaluate_file(
         sum(batches.values()),
         tokens / wall if wall > 0 else 0.0,
         wall,
+        sum(o.stats.edits for o in outs),
+        sum(o.stats.post_steps for o in outs),
     )

@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from dinfer_rt.engine import run_batch
+from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import GenerationError
 from dinfer_rt.loader import load_model
 from dinfer_rt.model import Model
@@ -25,6 +26,9 @@ class GenerationStats:
     wall_s: float  # wall time of its batch
     tokens_per_s: float
     precision_forwards: dict[str, int] = field(default_factory=dict)  # its batch's forwards per precision
+    edits: int = 0  # token-to-token rewrites of this prompt (editing rules: joint_threshold)
+    post_steps: int = 0  # forwards after its block's last mask (editing rules), summed over blocks
+    edits_per_forward: float = 0.0
 
 
 @dataclass
@@ -46,14 +50,19 @@ class LLM:
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         expert_parallel: bool = False,
+        **engine_args,
     ) -> None:
-        """``tensor_parallel_size`` / ``data_parallel_size`` > 1: ``generate`` runs on worker
+        """``engine_args``: :class:`~dinfer_rt.engine_args.EngineArgs` fields (``sync_every``,
+        ``max_forward_tokens``, ``confidence_head``, ...): how the engine runs every ``generate``.
+        ``tensor_parallel_size`` / ``data_parallel_size`` > 1: ``generate`` runs on worker
         processes started here and kept for the LLM's life (``data_parallel_size`` engine replicas,
         each a tensor-parallel group of ``tensor_parallel_size`` ranks that load their shards once;
         ``close()`` stops them), and this process holds no weights (``self.model`` is None).
         ``expert_parallel``: MoE layers split whole experts over the ranks instead of each
         expert's intermediate size."""
         self.pool = None
+        self.runner = None  # runs the forwards (None: in this process; generate_on_rank: the group's lead)
+        self.engine_args = EngineArgs.build(**engine_args)
         _check_arguments(model, backend, dtype, check_weights, quantization, expert_parallel)
         for name, size in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -70,7 +79,7 @@ class LLM:
                 )
             load = {"path": model_folder(model), "backend": backend, "dtype": dtype}
             load["check_weights"] = check_weights
-            engine = {"max_num_seqs": 64, "max_num_batched_tokens": 1 << 20}
+            engine = {"max_num_seqs": 64, "max_num_batched_tokens": 1 << 20, **engine_args}
             self.pool = ReplicaPool(
                 data_parallel_size, load, engine, max_queue=1 << 30, tp_size=tensor_parallel_size,
                 expert_parallel=expert_parallel,
@@ -88,7 +97,10 @@ class LLM:
         return self.pool.tokenizer if self.pool is not None else self.model.tokenizer
 
     def close(self) -> None:
-        """Stop the worker processes of a parallel LLM (also at interpreter exit); idempotent."""
+        """Stop the worker processes of a parallel LLM (also at interpreter exit), or release the
+        follower ranks of a group this LLM leads (``generate_on_rank``); idempotent."""
+        if self.runner is not None and hasattr(self.runner, "stop"):
+            self.runner.stop()
         if self.pool is not None:
             self.pool.close()
             self.pool.shutdown()
@@ -145,13 +157,14 @@ class LLM:
         with tqdm(total=len(encoded), desc="generate", disable=not progress, unit="prompt") as bar:
             for i in range(0, len(encoded), params.batch_size):
                 chunk = encoded[i : i + params.batch_size]
-                res = run_batch(self.model, chunk, params)  # one cohort of the engine
+                res = run_batch(self.model, chunk, params, runner=self.runner, args=self.engine_args)
                 for r, req in enumerate(res.requests):
                     toks = int(res.committed[r])
                     tps = toks / res.wall_s if res.wall_s > 0 else 0.0
                     stats = GenerationStats(
-                        res.nfe, toks, toks / max(res.nfe, 1), res.wall_s, tps, res.precision_forwards
-                    )
+                        res.nfe, toks, toks / max(res.nfe, 1), res.wall_s, tps, res.precision_forwards,
+                        req.edits, req.post_steps, req.edits / max(res.nfe, 1),
+                    )  # fmt: skip
                     outputs.append(GenerationOutput(prompts[i + r], req.text, req.output_ids, stats))
                 bar.update(len(chunk))
         return outputs
@@ -175,7 +188,10 @@ class LLM:
             if req.error is not None:
                 raise GenerationError(f"generate on the worker processes failed: {req.error}")
             toks = len(req.final_ids)
-            stats = GenerationStats(req.forwards, toks, toks / max(req.forwards, 1), wall, toks / wall if wall else 0.0)
+            stats = GenerationStats(
+                req.forwards, toks, toks / max(req.forwards, 1), wall, toks / wall if wall else 0.0,
+                edits=req.edits, post_steps=req.post_steps, edits_per_forward=req.edits / max(req.forwards, 1),
+            )  # fmt: skip
             outputs.append(GenerationOutput(prompt, req.text, req.output_ids, stats))
         return outputs
 
@@ -200,10 +216,31 @@ def _check_arguments(model, backend, dtype, check_weights, quantization, expert_
 
 
 def generate_on_rank(
-    rank: int, world: int, path, prompts: list, params, backend=None, dtype=None, expert_parallel: bool = False
+    rank: int,
+    world: int,
+    path,
+    prompts: list,
+    params,
+    backend=None,
+    dtype=None,
+    expert_parallel: bool = False,
+    allow_mask_in_prompt: bool = False,
+    **engine_args,
 ):
-    """``LLM.generate`` on rank ``rank``'s shard of a process group someone else started
-    (torchrun): every rank runs the same steps; rank 0's outputs are the answer."""
+    """``LLM.generate`` over a tensor-parallel process group someone else started (torchrun, or
+    ``parallel.launch``), one shard per rank. Rank 0 owns the scheduler and sends every forward's
+    inputs to the others (``model_runner``); it returns the outputs, the other ranks None.
+    ``allow_mask_in_prompt`` as ``LLM.generate`` takes it; ``engine_args`` as ``LLM`` takes them."""
+    from dinfer_rt.model_runner import on_rank
     from dinfer_rt.parallel import load_sharded
 
-    return LLM(load_sharded(path, rank, world, backend, dtype, expert_parallel)).generate(prompts, params)
+    model = load_sharded(path, rank, world, backend, dtype, expert_parallel)
+    runner = on_rank(model)
+    if runner is None:  # a follower: it ran the lead's forwards until the lead stopped
+        return None
+    llm = LLM(model, **engine_args)
+    llm.runner = runner
+    try:
+        return llm.generate(prompts, params, allow_mask_in_prompt=allow_mask_in_prompt)
+    finally:
+        llm.close()

@@ -29,12 +29,14 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import DinferError
 from dinfer_rt.likelihood import loglikelihood
 from dinfer_rt.llm import LLM
 from dinfer_rt.sampling import SamplingParams
 
 _SAMPLING_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
+_ENGINE_FIELDS = [f.name for f in dataclasses.fields(EngineArgs)]
 
 
 @register_model("dinfer_rt")
@@ -50,18 +52,21 @@ class DinferLM(LM):
         **sampling,
     ) -> None:
         super().__init__()
-        unknown = sorted(set(sampling) - set(_SAMPLING_FIELDS) - {"device", "max_batch_size"})
+        unknown = sorted(set(sampling) - set(_SAMPLING_FIELDS) - set(_ENGINE_FIELDS) - {"device", "max_batch_size"})
         if unknown:
             raise DinferError(
                 f"--model_args: unknown argument(s) {', '.join(unknown)} for dinfer_rt; "
-                f"known: pretrained, backend, dtype, mc_num, mc_batch_size, batch_size, {', '.join(_SAMPLING_FIELDS)}"
+                f"known: pretrained, backend, dtype, mc_num, mc_batch_size, batch_size, {', '.join(_SAMPLING_FIELDS)}, "
+                f"{', '.join(_ENGINE_FIELDS)}"
             )
         sampling.pop("device", None)  # lm-eval passes its --device; the backend decides the device here
         sampling.pop("max_batch_size", None)
-        self.llm = LLM(pretrained or None, backend=backend, dtype=dtype)
+        engine = {name: sampling.pop(name) for name in _ENGINE_FIELDS if name in sampling}
+        self.llm = LLM(pretrained or None, backend=backend, dtype=dtype, **engine)
         self.mc_num, self.mc_batch_size = int(mc_num), int(mc_batch_size)
         self.batch_size = 16 if str(batch_size).startswith("auto") else int(batch_size)
-        self.defaults = SamplingParams(**sampling, batch_size=self.batch_size, chat=False).validate()
+        defaults = SamplingParams(**sampling, batch_size=self.batch_size, chat=False)
+        self.defaults = defaults.for_model(self.llm.model.spec)  # the checkpoint's block where none is set
         self._rank, self._world_size = _join_data_parallel(self.llm.model.backend)
         self._device = self.llm.model.backend.device()
 

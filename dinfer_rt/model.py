@@ -362,10 +362,14 @@ class Model:
             raise GenerationError("confidence: every selected position must be computed")
         return self._predicted_by(run, select).to(self.backend.device())
 
+    def predicting(self, positions: torch.Tensor) -> torch.Tensor:
+        """The position whose output predicts each of ``positions``: itself, or for a family
+        trained with shifted logits (Dream) the one before it. The one place the shift lives."""
+        return (positions - 1).clamp_min(0) if self.spec.shift_logits else positions
+
     def _predicted_by(self, run: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Index in ``run`` of the logit that predicts each position (Dream: the one before it)."""
-        src = (positions - 1).clamp_min(0) if self.spec.shift_logits else positions
-        return torch.searchsorted(run, src)
+        """Index in ``run`` of the logit that predicts each position."""
+        return torch.searchsorted(run, self.predicting(positions))
 
     def _inputs(self, input_ids, attention_mask, cache, compute):
         if input_ids.dim() != 2:
@@ -390,8 +394,8 @@ class Model:
             want = compute.long()
             self._memo(("compute", id(want), want._version, n), lambda: (_check_compute(want, n), want))
         run = want
-        if self.spec.shift_logits:  # position i is predicted by the logit at i-1
-            run = torch.unique(torch.cat((want, (want - 1).clamp_min(0))))
+        if self.spec.shift_logits:  # the positions whose logits predict ``want``
+            run = torch.unique(torch.cat((want, self.predicting(want))))
         dev = self.backend.device()
         if attention_mask is None:
             valid = self._memo(("valid", b, n, dev), lambda: torch.ones(b, n, dtype=torch.bool, device=dev))

@@ -5,11 +5,19 @@ message and ``param`` name the field and the allowed values. Diffusion knobs rid
 fields with the CLI's names (``strategy``, ``threshold``, ``cache``, ``block_length``, ...) and
 the server's defaults. ``max_tokens`` is rounded up to whole blocks for decoding and the output
 cut to it.
+
+Fields real clients send and this server has no use for (``user``, ``metadata``, ``store``, ...)
+are ignored, as OpenAI-compatible servers ignore them, with one exception: an unknown field close
+to one of this server's own knobs (``treshold``, ``block_len``) is a 400 naming the likely field,
+since ignoring it would silently decode with the default. Fields that would change the answer
+and cannot be honoured (``top_p`` below 1, ``logprobs``, ``tools``, a JSON ``response_format``)
+are a 400 unless they hold the neutral value clients send by default.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import time
 import uuid
@@ -18,6 +26,7 @@ from typing import Any
 
 from dinfer_rt.errors import DinferError, TokenizerError
 from dinfer_rt.sampling import MAX_STOP, SamplingParams
+from dinfer_rt.strategies import preset_fields
 from dinfer_rt.tokenizer import refuse_mask_token
 
 
@@ -35,44 +44,85 @@ class ApiError(Exception):
 # Diffusion knobs accepted as extra body fields: SamplingParams names (the CLI's, with dashes).
 DIFFUSION_FIELDS = (
     "strategy threshold factor low_threshold credit_decay credit_boost credit_alpha cache block_length steps "
-    "vicinity_before vicinity_after vicinity_warmup refresh_bound refresh_window confidence_head sync_every"
+    "vicinity_before vicinity_after vicinity_warmup refresh_bound refresh_window "
+    "edit_threshold max_post_steps penalty_lambda"
 ).split()
-# OpenAI fields that are accepted only at a neutral value (anything else would be ignored silently):
-# null, or one of the values clients send by default.
+# EngineArgs fields: engine settings (``serve`` flags), refused in a request body, never ignored.
+ENGINE_FIELDS = ("sync_every", "confidence_head", "max_forward_tokens")
+# OpenAI / vLLM fields accepted only at a neutral value (anything else would be ignored silently,
+# a different answer than the client asked for): null, or one of the values clients send by default.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "top_p": (1,),
     "frequency_penalty": (0,),
     "presence_penalty": (0,),
     "best_of": (1,),
-    "echo": (False,),
     "logprobs": (False,),
     "top_logprobs": (0,),
     "logit_bias": ({},),
     "suffix": ("",),
     "tools": ([],),
-    "tool_choice": ("none",),
+    "tool_choice": ("none", "auto"),  # with no tools there is nothing to call either way
+    "functions": ([],),  # the legacy spelling of tools
+    "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},),
+    "top_k": (-1, 0),  # vLLM's sampling extras, sent through extra_body
+    "min_p": (0,),
+    "repetition_penalty": (1,),
+    "min_tokens": (0,),
+    "ignore_eos": (False,),
 }
+# Why a non-neutral value is refused, appended to the 400's message.
+_WHY_REFUSED = {
+    "logprobs": "logprobs not supported yet (no per-token log-probabilities are reported)",
+    "top_logprobs": "logprobs not supported yet (no per-token log-probabilities are reported)",
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "functions": "tool calling is not supported",
+    "function_call": "tool calling is not supported",
+    "response_format": "only plain text output: structured (JSON) output is not supported",
+    "echo": "'echo' is a /v1/completions field",
+}
+# Fields real clients send that change nothing here: accepted and ignored (listed so that the
+# misspelling rule below never takes one of them for a mistyped knob).
+IGNORED_FIELDS = frozenset(
+    "user metadata store service_tier parallel_tool_calls modalities audio prediction reasoning_effort "
+    "verbosity web_search_options prompt_cache_key safety_identifier".split()
+)
+OPENAI_FIELDS = frozenset(
+    {"model", "max_tokens", "max_completion_tokens", "temperature", "seed", "stop", "stream", "stream_options"}
+    | {"n", "echo", "prompt", "messages", *_NEUTRAL, *IGNORED_FIELDS}
+)
 SHOWN_CHARS = 80  # an error echoes at most this much of a client's value
-_COMMON = {"model", "max_tokens", "temperature", "seed", "stop", "stream", "stream_options", "n", "user"}
-_COMMON |= {"return_canvas", *DIFFUSION_FIELDS, *_NEUTRAL}
+MAX_PROMPTS = 256  # prompts in one /v1/completions batch
+_COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "seed", "stop", "stream", "n"}
+_COMMON |= {"stream_options", "return_canvas", *DIFFUSION_FIELDS, *_NEUTRAL, *IGNORED_FIELDS}
 _COMMON |= {"allow_mask_in_prompt"}  # infilling on purpose: the prompt may hold the mask token
-COMPLETION_FIELDS = _COMMON | {"prompt"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
+_COMMON |= {"preset", "stream_provisional"}  # named decoding settings; an editing rule's provisional tail
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
+CHAT_FIELDS = _COMMON | {"messages", "chat_template_kwargs", "echo"}
 ROLES = ("system", "user", "assistant")
 
 
 @dataclass
 class Submission:
-    """A validated request: what the engine needs plus how to answer."""
+    """A validated request: what the engine needs plus how to answer. A /v1/completions batch
+    (``prompt`` a list of prompts) holds several prompts, one engine request and one choice each."""
 
-    prompt_ids: list[int]
+    prompts: list[list[int]]
     params: SamplingParams
     max_tokens: int
     stream: bool
     include_usage: bool
     return_canvas: bool
     chat: bool
+    continuous_usage: bool = False  # every streamed chunk carries usage (vLLM's continuous_usage_stats)
+    echo: list[str] | None = None  # completions ``echo``: each prompt's text, put before its answer
+    stream_provisional: bool = False  # also stream the provisional tail (an editing rule's open block), marked
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The prompt of a one-prompt request (chat, or completions with one prompt)."""
+        return self.prompts[0]
 
 
 def _type_name(v: Any) -> str:
@@ -137,14 +187,22 @@ def parse(
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_type_name(body)}")
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        name = _shown(unknown[0])
-        raise ApiError(400, f"unknown field {name}; accepted: {', '.join(sorted(allowed))}", unknown[0][:SHOWN_CHARS])
-    for name, neutral in _NEUTRAL.items():
+    for name in ENGINE_FIELDS:  # how the engine runs is the server's choice, not a request's
+        if name in body:
+            flag = "--" + name.replace("_", "-")
+            if name == "confidence_head":
+                flag = "--no-confidence-head"
+            why = f"'{name}' is an engine setting, not a request field: the server sets it at start-up ({flag})"
+            raise ApiError(400, why, name)
+    refuse_misspelt_knobs(body, allowed)
+    neutral_values = {**_NEUTRAL, "echo": (False,)} if chat else _NEUTRAL
+    for name, neutral in neutral_values.items():
         if name in body and not _neutral(body[name], neutral):
             only = " or ".join(repr(v) for v in (None, *neutral))
-            raise ApiError(400, f"'{name}' {_shown(body[name])} is not supported by this server (only {only})", name)
+            why = f": {_WHY_REFUSED[name]}" if name in _WHY_REFUSED else ""
+            raise ApiError(
+                400, f"'{name}' {_shown(body[name])} is not supported by this server (only {only}){why}", name
+            )
     model = body.get("model")
     if model is not None and model != model_name:
         raise ApiError(
@@ -152,37 +210,43 @@ def parse(
         )
     n = _int(body, "n", 1)
     if n is not None and n != 1:
-        raise ApiError(400, f"'n' must be 1 (one choice per request), got {n}", "n")
+        raise ApiError(400, f"'n' must be 1 (one choice per prompt), got {n}", "n")
     stream = bool(_bool(body, "stream"))
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
-        raise ApiError(400, "'stream_options' must be an object with only 'include_usage'", "stream_options")
-    if options and not isinstance(options.get("include_usage", False), bool):
-        raise ApiError(400, "'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
-    include_usage = bool(options and options.get("include_usage"))
-    if include_usage and not stream:  # without include_usage the options ask for nothing: accepted
-        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
+    include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
     canvas = bool(_bool(body, "return_canvas"))
     if canvas and not stream:
         raise ApiError(400, "'return_canvas' streams the canvas each step: it needs 'stream': true", "return_canvas")
+    provisional = bool(_bool(body, "stream_provisional"))
+    if provisional and not stream:
+        why = "'stream_provisional' streams text that may still change: it needs 'stream': true"
+        raise ApiError(400, why, "stream_provisional")
+    echo = bool(_bool(body, "echo"))
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ApiError(400, f"'user' must be a string, got {_type_name(user)} {_shown(user)}", "user")
 
     if tokenizer is None:
         raise ApiError(400, "this model was loaded without a tokenizer: text requests cannot be served")
-    ids = (
-        _chat_prompt(body, tokenizer, max_len, chars_per_token)
-        if chat
-        else _completion_prompt(body, tokenizer, max_len, chars_per_token)
-    )
-    where = "messages" if chat else "prompt"
-    try:
-        refuse_mask_token(ids, mask_id, f"'{where}'", bool(_bool(body, "allow_mask_in_prompt")))
-    except DinferError as e:
-        raise ApiError(400, str(e), where) from None
+    if chat:
+        prompts, names, texts = [_chat_prompt(body, tokenizer, max_len, chars_per_token)], ["messages"], None
+    else:
+        prompts, names, texts = _completion_prompts(body, tokenizer, max_len, chars_per_token)
+    for ids, where in zip(prompts, names):
+        try:
+            refuse_mask_token(ids, mask_id, f"'{where}'", bool(_bool(body, "allow_mask_in_prompt")))
+        except DinferError as e:
+            raise ApiError(400, str(e), where) from None
 
     fields: dict[str, Any] = {}
     for name in DIFFUSION_FIELDS:
         if body.get(name) is not None:
             fields[name] = body[name]
+    if body.get("preset") is not None:  # a named preset's fields, under the ones the body sets itself
+        try:
+            fields = {**preset_fields(body["preset"]), **fields}
+        except DinferError as e:
+            why = str(e).removeprefix("preset: ")
+            raise ApiError(400, f"'preset' {_shown(body['preset'])}: {why}", "preset") from None
     if body.get("temperature") is not None:
         t = body["temperature"]
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0 or t > 2:
@@ -196,21 +260,22 @@ def parse(
     block = params.block_length
     if not isinstance(block, int) or isinstance(block, bool) or block < 1:
         raise ApiError(400, f"'block_length' must be an integer >= 1, got {block!r}", "block_length")
-    budget = max_len - len(ids)
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    size, where = len(prompts[longest]), "prompt" if chat else names[longest]
+    budget = max_len - size
     if budget < 1:
         raise ApiError(
-            400, f"the prompt is {len(ids)} tokens; the max model length is {max_len}: no room to generate", "prompt"
+            400, f"the prompt is {size} tokens; the max model length is {max_len}: no room to generate", where
         )
-    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, key, 1, budget)
+    key, max_tokens = _max_tokens(body, budget)
     if max_tokens is None:
         max_tokens = min(defaults.gen_length, budget)
     gen = -(-max_tokens // block) * block
-    if len(ids) + gen > max_len:
+    if size + gen > max_len:
         raise ApiError(
             400,
             f"'{key}' {max_tokens} rounds up to {gen} tokens (whole blocks of {block}); with the prompt's "
-            f"{len(ids)} tokens that exceeds the max model length {max_len}",
+            f"{size} tokens that exceeds the max model length {max_len}",
             key,
         )
     steps = params.steps
@@ -221,7 +286,70 @@ def parse(
         params.validate()
     except DinferError as e:
         raise ApiError(400, str(e), _field_named(str(e))) from None
-    return Submission(ids, params, max_tokens, stream, include_usage, canvas, chat)
+    shown = None
+    if echo:  # a text prompt is echoed as sent; token ids as their text, special tokens included
+        shown = [
+            t if t is not None else tokenizer.decode(ids, skip_special_tokens=False) for t, ids in zip(texts, prompts)
+        ]
+    return Submission(
+        prompts, params, max_tokens, stream, include_usage, canvas, chat, continuous_usage, shown, provisional
+    )
+
+
+def refuse_misspelt_knobs(body: dict, allowed: set[str]) -> None:
+    """Unknown fields are ignored, as OpenAI-compatible servers ignore them, except one close to
+    a knob of this server's own (not an OpenAI field): ``treshold`` silently decoding with the
+    default threshold is a worse answer than a 400 naming ``threshold``."""
+    knobs = sorted(allowed - OPENAI_FIELDS)
+    for name in sorted(set(body) - allowed):
+        if not isinstance(name, str):
+            continue
+        close = difflib.get_close_matches(name, knobs, n=1, cutoff=MISSPELT_CUTOFF)
+        if close:
+            raise ApiError(
+                400,
+                f"unknown field {_shown(name)}: did you mean '{close[0]}'? (unknown fields are ignored, but this "
+                "one looks like a misspelt diffusion knob)",
+                name[:SHOWN_CHARS],
+            )
+
+
+MISSPELT_CUTOFF = 0.8  # difflib's similarity ratio from which an unknown field is taken for a knob
+
+
+def _stream_options(options: Any, stream: bool) -> tuple[bool, bool]:
+    """``stream_options``: (``include_usage``: a last chunk with the usage, ``continuous_usage_stats``:
+    usage on every chunk, vLLM's field). Options that ask for something need ``stream``."""
+    if options is None:
+        return False, False
+    keys = ("include_usage", "continuous_usage_stats")
+    if not isinstance(options, dict) or set(options) - set(keys):
+        raise ApiError(
+            400, f"'stream_options' must be an object with only {' / '.join(keys)}, got {_shown(options)}",
+            "stream_options",
+        )  # fmt: skip
+    flags = []
+    for key in keys:
+        v = options.get(key)
+        if v is not None and not isinstance(v, bool):
+            raise ApiError(400, f"'stream_options.{key}' must be a boolean, got {_shown(v)}", f"stream_options.{key}")
+        flags.append(bool(v))
+    if any(flags) and not stream:  # options that ask for nothing are accepted on any request
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
+    return flags[0], flags[1]
+
+
+def _max_tokens(body: dict, budget: int) -> tuple[str, int | None]:
+    """``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``, on either endpoint: the
+    field given and its value; both given must agree."""
+    given = [k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
+    values = [_int(body, k, 1, budget) for k in given]
+    if len(given) == 2 and values[0] != values[1]:
+        raise ApiError(
+            400, f"'max_completion_tokens' {values[0]} and 'max_tokens' {values[1]} disagree: send one of them",
+            "max_completion_tokens",
+        )  # fmt: skip
+    return (given[0], values[0]) if given else ("max_tokens", None)
 
 
 def _field_named(message: str) -> str | None:
@@ -263,27 +391,44 @@ def _encode(tokenizer, text: str, field: str) -> list[int]:
         raise ApiError(400, f"'{field}' {str(e).removeprefix('prompt ')}", field) from None
 
 
-def _completion_prompt(body: dict, tokenizer, max_len: int, chars_per_token: int | None) -> list[int]:
+def _completion_prompts(
+    body: dict, tokenizer, max_len: int, chars_per_token: int | None
+) -> tuple[list[list[int]], list[str], list[str | None]]:
+    """``prompt``: a string, token ids, or a batch (a list of strings, or of token-id lists; one
+    choice each). Returns each prompt's ids, the name its errors carry (``prompt``, in a batch of
+    several ``prompt[i]``) and its text as sent (None for ids)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise ApiError(400, f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request", "prompt")
+        if not (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+            raise ApiError(400, "'prompt' mixes strings and token-id lists: send one kind per request", "prompt")
+        names = ["prompt"] if len(prompt) == 1 else [f"prompt[{i}]" for i in range(len(prompt))]
+        ids = [_one_prompt(p, name, tokenizer, max_len, chars_per_token) for p, name in zip(prompt, names)]
+        return ids, names, [p if isinstance(p, str) else None for p in prompt]
+    ids = _one_prompt(prompt, "prompt", tokenizer, max_len, chars_per_token)
+    return [ids], ["prompt"], [prompt if isinstance(prompt, str) else None]
+
+
+def _one_prompt(prompt: Any, name: str, tokenizer, max_len: int, chars_per_token: int | None) -> list[int]:
+    """One completions prompt, a string or token ids, as ids; errors name ``name``."""
     if isinstance(prompt, str):
         if not prompt.strip():
-            raise ApiError(400, "'prompt' is empty", "prompt")
-        _too_long("prompt", len(prompt), max_len, chars_per_token)
-        return _encode(tokenizer, prompt, "prompt")
+            raise ApiError(400, f"'{name}' is empty", name)
+        _too_long(name, len(prompt), max_len, chars_per_token)
+        return _encode(tokenizer, prompt, name)
     if isinstance(prompt, list) and len(prompt) >= max_len:
         raise ApiError(
-            400, f"the prompt is {len(prompt)} tokens; the max model length is {max_len}: no room to generate", "prompt"
+            400, f"the prompt is {len(prompt)} tokens; the max model length is {max_len}: no room to generate", name
         )
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
         if bad:
-            raise ApiError(
-                400, f"'prompt' token {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})", "prompt"
-            )
+            raise ApiError(400, f"'{name}' token {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})", name)
         return list(prompt)
-    raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
+    raise ApiError(
+        400, f"'{name}' must be a non-empty string or a list of token ids (or 'prompt' a list of such prompts)", name
+    )
 
 
 def _chat_prompt(body: dict, tokenizer, max_len: int, chars_per_token: int | None) -> list[int]:
@@ -293,21 +438,26 @@ def _chat_prompt(body: dict, tokenizer, max_len: int, chars_per_token: int | Non
     turns = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
+        if isinstance(m, dict):
+            for key in ("tool_calls", "function_call"):  # an assistant turn that called a tool
+                if m.get(key):
+                    raise ApiError(
+                        400, f"'{where}.{key}': tool calling is not supported by this server", f"{where}.{key}"
+                    )
+            if m.get("role") in ("tool", "function"):
+                raise ApiError(
+                    400, f"'{where}.role' {m['role']!r}: tool calling is not supported by this server", f"{where}.role"
+                )
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ApiError(400, f"'{where}' must be an object with 'role' and 'content'", where)
-        if m["role"] not in ROLES:
-            role = _shown(m["role"])
-            raise ApiError(400, f"'{where}.role' {role} must be one of {', '.join(ROLES)}", f"{where}.role")
-        content = m["content"]
-        if isinstance(content, list):  # content parts: text only
-            if not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-            ):
-                raise ApiError(400, f"'{where}.content' parts must be {{type: text, text}} objects", f"{where}.content")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise ApiError(400, f"'{where}.content' must be a string, got {_type_name(content)}", f"{where}.content")
-        turns.append({"role": m["role"], "content": content})
+        role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for system
+        if role not in ROLES:
+            shown = _shown(m["role"])
+            raise ApiError(
+                400, f"'{where}.role' {shown} must be one of {', '.join(ROLES)} (or developer)", f"{where}.role"
+            )
+        content = _content_text(m["content"], where)
+        turns.append({"role": role, "content": content})
     if not tokenizer.chat_template:
         raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
     _too_long("messages", sum(len(t["content"]) for t in turns), max_len, chars_per_token)
@@ -321,6 +471,33 @@ def _chat_prompt(body: dict, tokenizer, max_len: int, chars_per_token: int | Non
         for i, t in enumerate(turns):
             _encode(tokenizer, t["content"], f"messages[{i}].content")
         raise ApiError(400, "the chat template renders text the tokenizer cannot encode", "messages") from None
+
+
+def _content_text(content: Any, where: str) -> str:
+    """A message's content: a string, or a list of text parts (``[{"type": "text", "text": ...}]``,
+    what the openai client and LangChain send) joined by newlines as vLLM joins them. Any other
+    part (an image, audio, a file) is a 400 naming that part: this server reads text only."""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            at = f"{where}.content[{j}]"
+            if not isinstance(part, dict):
+                raise ApiError(400, f"'{at}' must be an object {{type: text, text}}, got {_type_name(part)}", at)
+            if part.get("type") != "text":
+                raise ApiError(
+                    400, f"'{at}' is a part of type {_shown(part.get('type'))}: this server reads text only "
+                    "(parts of type 'text')", at,
+                )  # fmt: skip
+            if not isinstance(part.get("text"), str):
+                raise ApiError(400, f"'{at}.text' must be a string, got {_type_name(part.get('text'))}", f"{at}.text")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    if not isinstance(content, str):
+        raise ApiError(
+            400, f"'{where}.content' must be a string or a list of text parts, got {_type_name(content)}",
+            f"{where}.content",
+        )  # fmt: skip
+    return content
 
 
 def _template_kwargs(body: dict) -> dict[str, Any]:
@@ -359,38 +536,49 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def response(rid: str, model: str, chat: bool, text: str, finish_reason: str, use: dict) -> dict:
+def response(rid: str, model: str, chat: bool, answers: list[tuple[str, str]], use: dict) -> dict:
+    """The whole answer: one choice per ``(text, finish_reason)`` (several for a completions batch)."""
     created = int(time.time())
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [choice],
-            "usage": use,
-        }
-    choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": use,
-    }
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": None}
+            for i, (text, reason) in enumerate(answers)
+        ]
+        kind = "chat.completion"
+    else:
+        choices = [
+            {"index": i, "text": text, "finish_reason": reason, "logprobs": None}
+            for i, (text, reason) in enumerate(answers)
+        ]
+        kind = "text_completion"
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices, "usage": use}
 
 
-def chunk(rid: str, model: str, chat: bool, text: str | None, finish_reason: str | None, **extra) -> dict:
-    """One streamed chunk; ``text`` None with chat is the opening chunk (the assistant role)."""
+def chunk(
+    rid: str,
+    model: str,
+    chat: bool,
+    text: str | None,
+    finish_reason: str | None,
+    *,
+    index: int = 0,
+    use: dict | None = None,
+    **extra,
+) -> dict:
+    """One streamed chunk of choice ``index``; ``text`` None with chat is the opening chunk (the
+    assistant role); ``use``: the usage so far (``continuous_usage_stats``)."""
     created = int(time.time())
     if chat:
         delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, **extra}
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
-    choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None, **extra}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None, **extra}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": None, **extra}
+        kind = "text_completion"
+    out = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
+    if use is not None:
+        out["usage"] = use
+    return out
 
 
 def usage_chunk(rid: str, model: str, chat: bool, use: dict) -> dict:

@@ -77,6 +77,12 @@ def init_group(
         ops.COLLECTIVE_GROUPS["tp"] = mine
 
 
+BEFORE_LEAVING: list[Callable[[], None]] = []
+"""Called first by ``leave_group``: a group's lead releases the ranks that follow it
+(``model_runner.LeadRunner.stop``), else they would wait in a collective while it waits at the
+barrier."""
+
+
 def leave_group(wait: bool = True) -> None:
     """Leave every process group while the interpreter is still whole: wait for the other ranks
     (``wait``), drop the IR's references to the groups and destroy them.
@@ -89,6 +95,11 @@ def leave_group(wait: bool = True) -> None:
     ``init_group``."""
     import torch.distributed as dist
 
+    while BEFORE_LEAVING:
+        try:
+            BEFORE_LEAVING.pop()()
+        except Exception:  # a peer already gone: nothing to release
+            pass
     ops.COLLECTIVE_GROUPS.clear()
     if dist.is_initialized():
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ STRATEGIES = (
     "topk_margin",
     "entropy",
     "low_confidence_dynamic",
+    "joint_threshold",
 )
 MAX_STOP = 16
 CACHES = ("none", "prefix", "dual", "vicinity", "adaptive", "anchored", "delayed")
@@ -35,6 +37,9 @@ _FIELD_RULES: dict[str, tuple[type, float | None, float | None, bool]] = {
     "threshold": (float, 0, 1, True),
     "factor": (float, 0, 1_000_000, True),
     "low_threshold": (float, 0, 1, True),
+    "edit_threshold": (float, 0, 1, False),
+    "max_post_steps": (int, 0, 1024, False),
+    "penalty_lambda": (float, 0, 100, False),
     "credit_decay": (float, 0, 1, False),
     "credit_boost": (float, 0, 100, False),
     "credit_alpha": (float, 0, 100, False),
@@ -46,16 +51,14 @@ _FIELD_RULES: dict[str, tuple[type, float | None, float | None, bool]] = {
     "vicinity_warmup": (int, 0, None, False),
     "refresh_bound": (int, 0, None, False),
     "refresh_window": (int, 0, None, False),
-    "confidence_head": (bool, None, None, False),
     "early_stop": (bool, None, None, False),
-    "sync_every": (int, 1, None, False),
-    "max_forward_tokens": (int, 1, None, False),
     "batch_size": (int, 1, None, False),
     "seed": (int, 0, 2**63 - 1, False),
     "chat": (bool, None, None, False),
     "precision_refresh": (bool, None, None, False),
 }
-_OPTIONAL = {"steps", "refresh_bound", "refresh_window", "max_forward_tokens"}
+_OPTIONAL = {"steps", "refresh_bound", "refresh_window", "block_length"}
+DEFAULT_BLOCK_LENGTH = 40  # a bidirectional family's block when a request sets none
 
 
 @dataclass
@@ -69,12 +72,21 @@ class SamplingParams:
     """
 
     gen_length: int = 40
-    block_length: int = 40
+    # None: the checkpoint's block size for block-causal families (LLaDA2, SDAR: their mask is
+    # trained on it), else DEFAULT_BLOCK_LENGTH (``for_model`` resolves it)
+    block_length: int | None = None
     steps: int | None = None
     strategy: str = "low_confidence"
     threshold: float = 0.9
     factor: float = 1.0
     low_threshold: float = 0.6  # hierarchical: one representative per masked run above this
+    # joint_threshold (LLaDA2.1 token-to-token editing): an unmasked slot of the current block is
+    # rewritten when its argmax differs with probability > edit_threshold (0: every disagreeing
+    # slot); a block ends after a no-mask step with no edit, or past max_post_steps such steps;
+    # penalty_lambda is subtracted from the logit of the previous slot's token (0: off)
+    edit_threshold: float = 0.5
+    max_post_steps: int = 16
+    penalty_lambda: float = 0.0
     credit_decay: float = 0.8
     credit_boost: float = 0.2
     credit_alpha: float = 0.7
@@ -90,10 +102,7 @@ class SamplingParams:
     # adaptive/anchored/delayed cache: positions before the block recomputed each step (None: adaptive all,
     # anchored and delayed 0)
     refresh_window: int | None = None
-    confidence_head: bool = True  # greedy threshold-style rules use the model's fused confidence head
     early_stop: bool = True
-    sync_every: int = 1  # check completion every k steps (loop unrolling; wasted forwards count in NFE)
-    max_forward_tokens: int | None = 4096  # rows x computed positions per forward; bigger batches run in row slices
     batch_size: int = 16
     seed: int = 0
     chat: bool = True
@@ -101,7 +110,7 @@ class SamplingParams:
     precision_schedule: str | None = None  # e.g. "int8@0.5,fp32": cheap forwards while the block is mostly masked
     precision_refresh: bool = False  # recompute cached K/V at the first full-precision forward after cheap ones
 
-    def validate(self) -> SamplingParams:
+    def validate(self, block_causal: bool = False) -> SamplingParams:
         """Every field's type and range, then the rules between fields; the first problem is
         raised naming the field. Returns ``self``."""
 
@@ -135,24 +144,34 @@ class SamplingParams:
             raise bad(f"unknown strategy {self.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
         if self.cache not in CACHES:
             raise bad(f"unknown cache {self.cache!r}; choose one of: {', '.join(CACHES)}")
-        if self.gen_length % self.block_length:
-            raise bad(f"gen_length {self.gen_length} is not a multiple of block_length {self.block_length}")
-        blocks = self.gen_length // self.block_length
         if self.steps is not None and self.steps > self.gen_length:  # also bounds the schedule's [B, steps] plan
             raise bad(f"steps {self.steps} must be <= gen_length {self.gen_length}: every step commits a token")
-        if self.steps is not None and self.steps % blocks:
-            raise bad(f"steps {self.steps} must be a positive multiple of the {blocks} blocks")
-        if self.sync_every > (limit := self.max_block_steps()):
-            raise bad(
-                f"sync_every {self.sync_every} must be <= {limit}: a block runs at most {limit} steps "
-                f"(4 x block_length {self.block_length} + {self.steps_per_block()} steps per block), so its "
-                "completion would never be checked"
-            )
+        lb = self.block()
+        if self.block_length is not None:  # None: the model decides (``for_model`` checks again)
+            if self.gen_length % lb and not block_causal:  # block-causal blocks align to position 0
+                raise bad(f"gen_length {self.gen_length} is not a multiple of block_length {lb}")
+            blocks = max(1, self.gen_length // lb)
+            if self.steps is not None and self.steps % blocks:
+                raise bad(f"steps {self.steps} must be a positive multiple of the {blocks} blocks")
         if self.precision_schedule is not None:
             PrecisionSchedule.parse(self.precision_schedule)
         if self.cfg_scale > 0 and self.cache != "none":
             raise bad(f"cfg_scale > 0 runs two rows per prompt and supports cache='none' only, not {self.cache!r}")
         return self
+
+    def block(self) -> int:
+        """The block length these params decode with when no model resolves it (``for_model``)."""
+        return self.block_length or DEFAULT_BLOCK_LENGTH
+
+    def for_model(self, spec) -> SamplingParams:
+        """A validated copy for a model (its ``ModelSpec``): ``block_length`` None becomes the
+        checkpoint's block size for a block-causal family (LLaDA2's 32, SDAR's 4), else
+        ``DEFAULT_BLOCK_LENGTH``; a block-causal family's ``gen_length`` need not be a multiple of
+        it (its blocks align to position 0, so the first one holds the prompt's tail anyway)."""
+        block = self.block_length
+        if block is None:
+            block = (spec.default_block_size if spec.block_causal else None) or DEFAULT_BLOCK_LENGTH
+        return dataclasses.replace(self, block_length=block).validate(block_causal=spec.block_causal)
 
     def refresh_limit(self) -> float:
         """Commits since the last full refresh at which the adaptive / anchored / delayed caches
@@ -163,9 +182,11 @@ class SamplingParams:
 
     def max_block_steps(self) -> int:
         """The steps the scheduler lets one block take before it calls the block stuck (every rule
-        commits at least one token per step): 4 x block_length + steps per block."""
-        return 4 * self.block_length + self.steps_per_block()
+        commits at least one token per step): 4 x block_length + steps per block (an editing rule:
+        plus its post steps and the forward that ends the block)."""
+        post = self.max_post_steps + 1 if self.strategy == "joint_threshold" else 0
+        return 4 * self.block() + self.steps_per_block() + post
 
     def steps_per_block(self) -> int:
-        blocks = self.gen_length // self.block_length
+        blocks = max(1, self.gen_length // self.block())
         return (self.steps or self.gen_length) // blocks

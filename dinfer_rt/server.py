@@ -9,12 +9,17 @@ a stop string or a split character), so the concatenated chunks equal the non-st
 Back-pressure and faults: a bounded wait queue (429 past ``max_queue``), a client that goes away
 cancels its row, a step that raises fails only the requests of that step (500 naming the error),
 SIGTERM stops admitting and finishes the running rows within ``drain_timeout`` seconds.
+
+Process model: by default the engine is in this process. With ``--engine-process`` (always with
+replicas or ranks) it runs in a worker process (``dinfer_rt.workers``) and this one is only the
+HTTP front; a dead engine process fails its requests with a 503 naming it and the server exits 1.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the endpoints' annotations
 # (``fastapi.Request``) at runtime, and ``fastapi`` is imported inside ``build_app`` only.
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import signal
@@ -24,7 +29,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import dinfer_rt
 from dinfer_rt.engine import Engine, EngineClosed, QueueFull, Request
+from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import DinferError
 from dinfer_rt.model import Model
 from dinfer_rt.openai_protocol import (
@@ -40,6 +47,8 @@ from dinfer_rt.openai_protocol import (
 )
 from dinfer_rt.sampling import SamplingParams
 from dinfer_rt.stopping import before_eos, streamable
+from dinfer_rt.strategies import EDITING
+from dinfer_rt.workers import ReplicaError
 
 MASK_MARK = "\u2591"  # how a still-masked position is drawn in a streamed canvas
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
@@ -71,6 +80,8 @@ class ServeConfig:
     shutdown_after_requests: int | None = None  # exit once this many requests were answered (tests)
     shutdown_after_s: float | None = None  # exit after this many seconds (tests)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a bigger body is a 413 before it is parsed
+    # engine settings beyond the row bounds above (EngineArgs fields: sync_every, max_forward_tokens, ...)
+    engine_args: dict = dataclasses.field(default_factory=dict)
 
     def check(self) -> "ServeConfig":
         """Every value's type and range (the CLI flag named), before a model is loaded or any
@@ -83,6 +94,7 @@ class ServeConfig:
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
         _check_seconds("drain_timeout", self.drain_timeout, 0.0, MAX_DRAIN_S)
+        EngineArgs.build(**self.engine_args)  # an unknown or out-of-range engine setting, named
         if self.shutdown_after_s is not None:
             _check_seconds("shutdown_after_s", self.shutdown_after_s, 0.0, MAX_LIFETIME_S, low_open=True)
         return self
@@ -286,6 +298,23 @@ class Metrics:
             "dinfer_time_to_first_token_seconds", "arrival to first final text", buckets=buckets, registry=r
         )
         self.step_time = pc.Histogram("dinfer_step_seconds", "one engine step", buckets=buckets, registry=r)
+        self.edits = pc.Counter("dinfer_edits", "token-to-token rewrites (editing rules)", registry=r)
+        self.post_steps = pc.Counter(
+            "dinfer_post_steps", "row-forwards after a block's last mask (editing rules)", registry=r
+        )
+        self._edits_seen = (0, 0)  # engine.stats (edits, post_steps) at the last step
+        self.prefix_queries = pc.Counter(
+            "dinfer_prefix_cache_queries", "prefix cache lookups (admitted requests that may reuse blocks)", registry=r
+        )
+        self.prefix_hits = pc.Counter(
+            "dinfer_prefix_cache_hits", "prompt tokens whose K/V came from the prefix cache", registry=r
+        )
+        self.prefix_bytes = pc.Gauge("dinfer_prefix_cache_bytes", "bytes the prefix cache holds", registry=r)
+        self.prefix_budget = pc.Gauge(
+            "dinfer_prefix_cache_budget_bytes", "the prefix cache's byte budget (0: off)", registry=r
+        )
+        self._prefix_seen = (0, 0)  # prefix cache (queries, hit tokens) at the last read
+        self._prefix_lock = threading.Lock()  # read from the engine thread and from /metrics
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, committed, rows)
         self._seen = (0, 0)  # engine.stats (computed, padded) at the last step
 
@@ -298,6 +327,11 @@ class Metrics:
         self.computed.inc(computed - self._seen[0])
         self.padded.inc(padded - self._seen[1])
         self._seen = (computed, padded)
+        edits, post = getattr(engine.stats, "edits", 0), getattr(engine.stats, "post_steps", 0)
+        self.edits.inc(max(0, edits - self._edits_seen[0]))
+        self.post_steps.inc(max(0, post - self._edits_seen[1]))
+        self._edits_seen = (edits, post)
+        self.read_prefix_cache(engine)
         self._recent.append((now, committed, engine.num_running))
         while self._recent and self._recent[0][0] < now - 5:
             self._recent.popleft()
@@ -315,24 +349,46 @@ class Metrics:
         if req.finished is not None:
             self.latency.observe(req.finished - req.arrival)
 
+    def read_prefix_cache(self, engine: Engine) -> None:
+        """The prefix cache's counters since the last read (an engine without one: zeros)."""
+        cache = getattr(engine, "prefix_cache", None)
+        if cache is None:
+            self.prefix_budget.set(0)
+            return
+        st = cache.stats
+        with self._prefix_lock:
+            queries, hits = st.queries, st.hit_tokens
+            self.prefix_queries.inc(max(0, queries - self._prefix_seen[0]))
+            self.prefix_hits.inc(max(0, hits - self._prefix_seen[1]))
+            self._prefix_seen = (queries, hits)
+        self.prefix_bytes.set(st.bytes)
+        self.prefix_budget.set(cache.budget)
+
     def text(self, engine: Engine) -> bytes:
         import prometheus_client as pc
 
+        self.read_prefix_cache(engine)
         self.waiting.set(engine.num_waiting)
         self.running.set(engine.num_running)
         return pc.generate_latest(self.registry)
 
 
 class _Stream:
-    """Bridges one engine request to the asyncio side: engine events land in an asyncio queue."""
+    """Bridges engine requests to the asyncio side: engine events land in an asyncio queue, each
+    tagged with its request's ``index`` (its choice; the requests of a completions batch share
+    one queue)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, updates: bool) -> None:
-        self.loop, self.queue, self.updates = loop, asyncio.Queue(), updates
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, updates: bool, index: int = 0, queue: asyncio.Queue | None = None
+    ) -> None:
+        self.loop, self.updates, self.index = loop, updates, index
+        self.queue = asyncio.Queue() if queue is None else queue
 
     def __call__(self, req: Request, event: str) -> None:  # engine thread
         if event == "update" and not self.updates:  # a non-streamed answer waits for the finish only
             return
-        snapshot = (event, list(req.final_ids), None if req.canvas is None else list(req.canvas))
+        canvas = None if req.canvas is None else list(req.canvas)
+        snapshot = (self.index, event, list(req.final_ids), canvas, list(req.provisional_ids))
         self.loop.call_soon_threadsafe(self.queue.put_nowait, snapshot)
 
 
@@ -344,6 +400,7 @@ def engine_kwargs(config: ServeConfig, defaults: SamplingParams) -> dict:
         "max_queue": config.max_queue,
         "max_model_len": config.max_model_len,
         "block_length": defaults.block_length,
+        **config.engine_args,
     }
 
 
@@ -389,26 +446,37 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
         if limit is not None and answered["n"] >= limit and state["server"] is not None:
             state["server"].should_exit = True
 
-    def submit(sub: Submission, listener) -> Request:
+    def submit(sub: Submission, listeners: list[_Stream]) -> list[Request]:
+        """One engine request per prompt; when one cannot be queued, the ones already queued are
+        cancelled (a batch is answered whole or not at all)."""
+        reqs: list[Request] = []
+        # only when asked: a replica pool's submit (workers.py) does not take it yet
+        provisional = {"stream_provisional": True} if sub.stream_provisional else {}
         try:
-            req = engine.submit(
-                sub.prompt_ids, sub.params, max_tokens=sub.max_tokens, listener=listener,
-                return_canvas=sub.return_canvas,
-            )  # fmt: skip
-        except QueueFull as e:
-            raise ApiError(429, f"{e}; retry later", None, "rate_limit_error") from None
-        except EngineClosed as e:
-            raise ApiError(503, str(e), None, "server_error") from None
-        except DinferError as e:  # the engine's admission checks: the request is at fault
-            raise ApiError(400, str(e), _param_of(str(e))) from None
+            for ids, listener in zip(sub.prompts, listeners):
+                options = {"listener": listener, "return_canvas": sub.return_canvas, **provisional}
+                reqs.append(engine.submit(ids, sub.params, max_tokens=sub.max_tokens, **options))
+        except DinferError as e:
+            for req in reqs:
+                engine.abort(req.id)
+            loop_holder.wake.set()
+            if isinstance(e, QueueFull):
+                raise ApiError(429, f"{e}; retry later", None, "rate_limit_error") from None
+            if isinstance(e, EngineClosed):
+                deaths = getattr(engine, "deaths", None)  # engine processes that died (replicas, --engine-process)
+                why = f"the engine is unavailable: {'; '.join(deaths)}" if deaths else str(e)
+                raise ApiError(503, why, None, "server_error") from None
+            raise ApiError(400, str(e), _param_of(str(e))) from None  # the engine's admission checks
         loop_holder.wake.set()
-        return req
+        return reqs
 
     def failure(req: Request) -> ApiError:
         if req.finish_reason == "abort":
             return ApiError(
                 503, f"request {req.id} was cancelled: {req.error or 'client disconnected'}", None, "server_error"
             )
+        if isinstance(req.error, ReplicaError):  # the engine process itself is gone: the server cannot serve it
+            return ApiError(503, f"the engine is unavailable: {req.error}", None, "server_error")
         return ApiError(500, f"the engine step failed: {type(req.error).__name__}: {req.error}", None, "server_error")
 
     async def body_of(request) -> object:
@@ -435,70 +503,99 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
                 model_name=config.model_name, max_len=engine.max_model_len, chars_per_token=per_token,
                 mask_id=mask_id,
             )  # fmt: skip
-            stream = _Stream(asyncio.get_running_loop(), updates=sub.stream)
-            req = submit(sub, stream)
+            queue: asyncio.Queue = asyncio.Queue()
+            here = asyncio.get_running_loop()
+            reqs = submit(sub, [_Stream(here, sub.stream, i, queue) for i in range(len(sub.prompts))])
         except ApiError as e:
             count_answered()
             return error(e)
         rid = new_id(chat)
         if sub.stream:
             return StreamingResponse(
-                _events(request, req, stream, sub, rid, chat), media_type="text/event-stream",
+                _events(request, reqs, queue, sub, rid, chat), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )  # fmt: skip
         try:
-            while True:
+            running = len(reqs)
+            while running:
                 try:
-                    event = await asyncio.wait_for(stream.queue.get(), timeout=0.5)
+                    event = await asyncio.wait_for(queue.get(), timeout=0.5)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
-                        engine.abort(req.id)
+                        for req in reqs:
+                            engine.abort(req.id)
+                        loop_holder.wake.set()
                         return error(ApiError(499, "client disconnected"))
                     continue
-                if event[0] == "finish":
-                    break
+                running -= event[1] == "finish"
         finally:
             count_answered()
-        _first_text(metrics, req)
-        if req.finish_reason in ("error", "abort"):
-            return error(failure(req))
-        return response(rid, config.model_name, chat, req.text, _openai_reason(req), _usage(req, sub))
+        for req in reqs:
+            _first_text(metrics, req)
+        failed = next((req for req in reqs if req.finish_reason in ("error", "abort")), None)
+        if failed is not None:
+            return error(failure(failed))
+        echo = sub.echo or [""] * len(reqs)
+        answers = [(shown + req.text, _openai_reason(req)) for shown, req in zip(echo, reqs)]
+        return response(rid, config.model_name, chat, answers, _usage(reqs, sub))
 
-    async def _events(request, req: Request, stream: _Stream, sub: Submission, rid: str, chat: bool):
-        name, sent, first = config.model_name, 0, True
+    async def _events(request, reqs: list[Request], queue: asyncio.Queue, sub: Submission, rid: str, chat: bool):
+        """The SSE stream of one request: a chunk per choice whenever its final text grew."""
+        name, first = config.model_name, True
+        sent, done = [0] * len(reqs), [False] * len(reqs)
+        shown_tail = [""] * len(reqs)  # stream_provisional: the provisional text each choice last sent
+
+        def use(i: int, tokens: int) -> dict | None:  # continuous_usage_stats: usage on every chunk
+            return usage(len(sub.prompts[i]), tokens) if sub.continuous_usage else None
+
         try:
             if chat:
-                yield _sse(chunk(rid, name, chat, None, None))
-            while True:
-                event, final, canvas = await stream.queue.get()
-                while not sub.return_canvas and event != "finish" and not stream.queue.empty():
-                    event, final, canvas = stream.queue.get_nowait()  # only the newest final text matters
-                done = event == "finish"
-                if done:
-                    text = req.text
-                    if req.finish_reason in ("error", "abort"):
-                        yield _sse(failure(req).body())
-                        break
-                else:
-                    kept = before_eos(final, eos)[: sub.max_tokens]
-                    text = streamable(tok.decode(kept), sub.params.stop, final=False)
-                delta, sent = text[sent:], max(sent, len(text))
-                extra = {"canvas": _canvas(tok, canvas, model.mask_id)} if sub.return_canvas and canvas else {}
-                if delta and first:
-                    first = False
-                    metrics.ttft.observe(time.perf_counter() - req.arrival)
-                if delta or extra or done:
-                    reason = _openai_reason(req) if done else None
-                    yield _sse(chunk(rid, name, chat, delta, reason, **extra))
-                if done:
-                    if sub.include_usage:
-                        yield _sse(usage_chunk(rid, name, chat, _usage(req, sub)))
-                    break
+                yield _sse(chunk(rid, name, chat, None, None, use=use(0, 0)))
+            for i, shown in enumerate(sub.echo or []):  # echo: the prompt comes first
+                yield _sse(chunk(rid, name, chat, shown, None, index=i, use=use(i, 0)))
+            failed = False
+            while not all(done) and not failed:
+                events = [await queue.get()]
+                while not queue.empty():
+                    events.append(queue.get_nowait())
+                if not sub.return_canvas:  # only the newest final text of each choice matters (a finish is its last)
+                    events = sorted({e[0]: e for e in events}.values(), key=lambda e: e[0])
+                for i, event, final, canvas, provisional in events:
+                    req = reqs[i]
+                    if done[i]:
+                        continue
+                    finishing = event == "finish"
+                    if finishing:
+                        if req.finish_reason in ("error", "abort"):
+                            yield _sse(failure(req).body())
+                            failed = True
+                            break
+                        text, tokens = req.text, len(req.output_ids)
+                    else:
+                        kept = before_eos(final, eos)[: sub.max_tokens]
+                        text = streamable(tok.decode(kept), sub.params.stop, final=False)
+                        tokens = _tokens_within(tok, kept, len(text)) if sub.continuous_usage else 0
+                    delta, sent[i] = text[sent[i] :], max(sent[i], len(text))
+                    extra = {"canvas": _canvas(tok, canvas, model.mask_id)} if sub.return_canvas and canvas else {}
+                    if sub.stream_provisional:  # the text after the final text, which may still be revised
+                        tail = "" if finishing else _provisional(tok, final, provisional, eos, sub.max_tokens, text)
+                        if tail != shown_tail[i]:
+                            extra["provisional"] = shown_tail[i] = tail
+                    if delta and first:
+                        first = False
+                        metrics.ttft.observe(time.perf_counter() - req.arrival)
+                    if delta or extra or finishing:
+                        reason = _openai_reason(req) if finishing else None
+                        yield _sse(chunk(rid, name, chat, delta, reason, index=i, use=use(i, tokens), **extra))
+                    done[i] = finishing
+            if not failed and sub.include_usage:
+                yield _sse(usage_chunk(rid, name, chat, _usage(reqs, sub)))
             yield "data: [DONE]\n\n"
-        finally:  # a client that went away: the generator is closed; free its row
-            if not req.done:
-                engine.abort(req.id)
-                loop_holder.wake.set()
+        finally:  # a client that went away: the generator is closed; free its rows
+            for req in reqs:
+                if not req.done:
+                    engine.abort(req.id)
+            loop_holder.wake.set()
             count_answered()
 
     @app.post("/v1/completions")
@@ -509,14 +606,33 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
     async def chat_completions(request: fastapi.Request):
         return await complete(request, chat=True)
 
+    def card() -> dict:
+        return {
+            "id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "dinfer-rt",
+            "max_model_len": engine.max_model_len,
+        }  # fmt: skip
+
     @app.get("/v1/models")
     async def models():
-        card = {"id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "dinfer-rt"}
-        card["max_model_len"] = engine.max_model_len
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # an id may hold slashes (org/name)
+    async def model_card(model_id: str):
+        if model_id != config.model_name:
+            shown = model_id if len(model_id) <= SHOWN_CHARS else model_id[:SHOWN_CHARS] + "..."
+            message = f"model {shown!r} does not exist; this server serves '{config.model_name}'"
+            return error(ApiError(404, message, "model", "not_found"))
+        return card()
+
+    @app.get("/version")
+    async def version():
+        return {"version": dinfer_rt.__version__}
 
     @app.get("/health")
     async def health():
+        if loop_holder.failure is not None:  # the engine (every replica) died: the server is exiting
+            body = ApiError(503, f"the engine is unavailable: {loop_holder.failure}", None, "server_error").body()
+            return JSONResponse({"status": "failed", **body}, status_code=503)
         if not loop_holder.alive or engine.closed:
             body = ApiError(503, "the server is draining (shutting down)", None, "server_error").body()
             return JSONResponse({"status": "draining", **body}, status_code=503)
@@ -525,6 +641,9 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
             rows = zip(engine.served, engine.alive, engine.pids, engine.rank_pids)
             body["replicas"] = [{"served": n, "alive": a, "pid": pid, "ranks": r} for n, a, pid, r in rows]
         return body
+
+    # vLLM's (and SageMaker's) liveness probe: the same answer as /health
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
 
     @app.get("/metrics")
     async def prometheus():
@@ -575,8 +694,34 @@ def _openai_reason(req: Request) -> str:
     return "stop" if req.finish_reason == "stop" else "length"
 
 
-def _usage(req: Request, sub: Submission) -> dict:
-    return usage(len(sub.prompt_ids), len(req.output_ids))
+def _usage(reqs: list[Request], sub: Submission) -> dict:
+    """The request's usage: every prompt's tokens and every answer's (a batch sums its choices);
+    with an editing rule also its token-to-token ``edits`` and ``post_steps`` (forwards after a
+    block's last mask), dinfer-rt's extension."""
+    use = usage(sum(len(p) for p in sub.prompts), sum(len(req.output_ids) for req in reqs))
+    # as OpenAI reports it: prompt tokens whose K/V were reused (the block prefix cache)
+    use["prompt_tokens_details"] = {"cached_tokens": sum(getattr(req, "cached_tokens", 0) for req in reqs)}
+    if sub.params.strategy in EDITING:
+        use["edits"] = sum(req.edits for req in reqs)
+        use["post_steps"] = sum(req.post_steps for req in reqs)
+    return use
+
+
+def _provisional(tok, final: list[int], provisional: list[int], eos, max_tokens: int, sent_text: str) -> str:
+    """``stream_provisional``: the text of final + provisional tokens (cut at EOS and max_tokens)
+    past the final text ``sent_text`` already streamed; it may be revised by a later chunk."""
+    ids = before_eos(final + provisional, eos)[:max_tokens]
+    text = tok.decode(ids)
+    return text[len(sent_text) :] if text.startswith(sent_text) else text[len(tok.decode(before_eos(final, eos))) :]
+
+
+def _tokens_within(tok, ids: list[int], chars: int) -> int:
+    """How many leading ``ids`` decode to at most ``chars`` characters: the tokens whose text a
+    stream has sent (a tail that could still become a stop string is held back, and uncounted)."""
+    k = len(ids)
+    while k and len(tok.decode(ids[:k])) > chars:
+        k -= 1
+    return k
 
 
 def _canvas(tok, ids: list[int], mask_id: int) -> str:

@@ -5,6 +5,12 @@ are still masked, and how many the linear schedule asks for at this step. It ret
 the candidate tokens and a commit mask. Invariants every rule keeps (property-tested):
 only masked slots are committed, at least one per row that still has masks, never the
 mask token itself.
+
+Editing rules (``EDITING``: LLaDA2.1's ``joint_threshold``) also rewrite slots of the current
+block that are already unmasked: their write mask covers masked slots (mask-to-token) and the
+``editable`` ones (token-to-token). With them a token is final only when its block finishes, which
+the decode state (``decode.Cohort``) tracks; the block's end is the rule's too
+(:func:`joint_threshold_block_end`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ class StepInput:
     state: dict = field(default_factory=dict)  # per-block state for stateful rules (credit)
     x0: torch.Tensor | None = None  # with logits=None: argmax and max probability [B, L] from the
     conf: torch.Tensor | None = None  # model's confidence head (greedy rules in STATS_ONLY)
+    current: torch.Tensor | None = None  # editing rules: the block's tokens at the start of the step [B, L]
+    editable: torch.Tensor | None = None  # editing rules: the slots a token-to-token edit may rewrite [B, L]
 
 
 def on_logits_device(
@@ -200,6 +208,90 @@ def make_low_confidence_dynamic(tau: float) -> Callable:
     return low_confidence_dynamic
 
 
+def penalize_previous(logits: torch.Tensor, current: torch.Tensor, penalty: float) -> torch.Tensor:
+    """SGLang's ``penalty_lambda`` for joint_threshold: at every slot but the block's first, the
+    logit of the token the slot before holds is lowered by ``penalty`` (discourages a token
+    repeating its left neighbour). Returns a new tensor; ``penalty`` 0 returns ``logits``."""
+    if penalty == 0 or logits.shape[1] < 2:
+        return logits
+    out = logits.clone()
+    prev = current[:, :-1, None].to(out.device)
+    out[:, 1:].scatter_add_(-1, prev, torch.full(prev.shape, -penalty, dtype=out.dtype, device=out.device))
+    return out
+
+
+def make_joint_threshold(tau: float, edit_tau: float, penalty: float) -> Callable:
+    """LLaDA2.1's joint threshold (mask-to-token + token-to-token editing), one step, batched
+    over rows. From one forward over the block:
+
+    - M2T: the masked slots whose candidate's probability is > ``tau``; a row with masks and none
+      above commits its most probable masked slot;
+    - T2T: the ``editable`` slots (unmasked at the start of the step, not prompt, the row's block
+      not finished) whose candidate differs from the current token with probability >
+      ``edit_tau`` (0: every disagreeing slot).
+
+    Both from the same candidates (argmax, or a Gumbel sample with temperature; probability of
+    the un-tempered softmax after the ``penalty`` of :func:`penalize_previous`). Returns the
+    candidates and the write mask (M2T | T2T); the caller separates them by ``masked``."""
+
+    def joint_threshold(s: StepInput):
+        if s.logits is None:
+            raise ValueError("joint_threshold needs the block's logits (it has no confidence-head form)")
+        if s.current is None:  # called as a plain rule (no block state): mask-to-token only
+            if penalty:
+                raise ValueError("joint_threshold with penalty_lambda needs the block's current tokens")
+            x0 = sample(s.logits, s.temperature, s.generator)
+            conf = _confidence(s.logits, x0)[0]
+            return x0, _at_least_one(s.masked & (conf > tau), conf, s.masked)
+        z = penalize_previous(s.logits, s.current, penalty)
+        x0 = sample(z, s.temperature, s.generator)
+        conf = _confidence(z, x0)[0]
+        m2t = _at_least_one(s.masked & (conf > tau), conf, s.masked)
+        if s.editable is None:
+            return x0, m2t
+        t2t = s.editable & (x0 != s.current.to(x0.device)) & (conf > edit_tau)
+        return x0, m2t | t2t
+
+    return joint_threshold
+
+
+def joint_threshold_block_end(
+    has_mask: torch.Tensor, edited: torch.Tensor, post_steps: torch.Tensor, max_post_steps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The editing rule's block end, per row, for a step of rows still decoding the block:
+    ``has_mask`` [B] (the row's block had a mask at the start of the step), ``edited`` [B]
+    (the step rewrote a token), ``post_steps`` [B] (steps so far that started with no mask,
+    this one included). Returns (decide: the step's decisions apply, ends: the block is final
+    after this step). A step starting with no mask past ``max_post_steps`` such steps decides
+    nothing and ends the block (its forward saw the final tokens, so the K/V it wrote are
+    theirs); one starting with no mask that edits nothing ends it too (SGLang JointThreshold)."""
+    over = ~has_mask & (post_steps > max_post_steps)
+    decide = ~over
+    ends = over | (~has_mask & ~edited)
+    return decide, ends
+
+
+EDITING = ("joint_threshold",)
+"""Rules that rewrite unmasked slots of the current block: a token is final when its block ends."""
+
+PRESETS: dict[str, dict] = {
+    # LLaDA2.1 model card (as quoted by third parties; the paper gives no numbers): threshold /
+    # edit threshold / max post steps, with block 32 and greedy decoding
+    "llada2.1-quality": dict(strategy="joint_threshold", threshold=0.7, edit_threshold=0.5, max_post_steps=16),
+    "llada2.1-speed": dict(strategy="joint_threshold", threshold=0.5, edit_threshold=0.0, max_post_steps=16),
+}
+
+
+def preset_fields(name: str) -> dict:
+    """The SamplingParams fields a named preset sets (``--preset`` / the body field ``preset``);
+    an unknown name is an error listing the known ones."""
+    from dinfer_rt.errors import GenerationError
+
+    if not isinstance(name, str) or name not in PRESETS:
+        raise GenerationError(f"preset: unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return dict(PRESETS[name])
+
+
 SCHEDULED = ("low_confidence", "random", "maskgit_plus", "topk_margin", "entropy", "low_confidence_dynamic")
 SCORE_KIND = {
     "low_confidence": "max",
@@ -228,6 +320,8 @@ def build(params) -> Callable[[StepInput], tuple[torch.Tensor, torch.Tensor]]:
         return make_credit(params.threshold, params.credit_decay, params.credit_boost, params.credit_alpha)
     if name == "low_confidence_dynamic":
         return make_low_confidence_dynamic(params.threshold)
+    if name == "joint_threshold":
+        return make_joint_threshold(params.threshold, params.edit_threshold, params.penalty_lambda)
     return {
         "low_confidence": low_confidence,
         "random": random_remask,

@@ -51,23 +51,23 @@ def replica_main(
     """One replica process (with ``tp_size`` > 1: rank ``tp_rank`` of replica ``index``'s
     tensor-parallel group): load, report "ready", then apply commands and step the engine.
 
-    Under tensor parallelism the group's rank 0 owns the commands: each round it broadcasts the
-    commands it took from the front end to the group, and every rank applies the same commands
-    and steps its engine over its shard (the collectives inside the forward keep the ranks'
-    logits, hence their decisions, equal); only rank 0 reports. The ranks never decide what to
-    run on their own."""
+    Under tensor parallelism the group's rank 0 owns the scheduler: it alone runs the engine
+    (admission, decisions, reports) and its runner (``model_runner.LeadRunner``) broadcasts each
+    forward's inputs to the group; every other rank only runs those forwards over its shard
+    (``model_runner.follow``). The ranks never decide what to run on their own."""
     from dinfer_rt.engine import Engine
     from dinfer_rt.loader import load_model
+    from dinfer_rt.model_runner import LeadRunner, follow
     from dinfer_rt.parallel import RENDEZVOUS_ENV, bind_device, init_group, leave_group, load_sharded
     from dinfer_rt.plugins import select_backend
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (replicas * tp_size)))
+    _exit_when_orphaned(index, tp_rank)
     lead = tp_rank == 0
-    group = None
+    group = runner = None
+    src = index * tp_size  # the lead's global rank
     try:
         if tp_size > 1:
-            import torch.distributed as dist
-
             from dinfer_rt.ir import ops
 
             os.environ[RENDEZVOUS_ENV] = rendezvous
@@ -76,21 +76,30 @@ def replica_main(
             group = ops.COLLECTIVE_GROUPS["tp"]
             args = (load.get("path"), tp_rank, tp_size, load.get("backend"), load.get("dtype"), expert_parallel)
             model = load_sharded(*args)
+            runner = LeadRunner(model, group, src) if lead else None
         else:
             bind_device(select_backend(load.get("backend")), index)
             model = load_model(**load)
-        engine = Engine(model, **engine_kwargs)
+        engine = Engine(model, **engine_kwargs, runner=runner) if lead else None
     except BaseException as e:  # the front end reports it, naming this replica and rank
         where = f"rank {tp_rank}: " if tp_size > 1 else ""
         outbox.put(("failed", index, f"{where}{type(e).__name__}: {e}"))
         return
-    if lead:
-        info = {"eos_ids": model.eos_ids, "mask_id": model.mask_id, "max_model_len": engine.max_model_len}
-        outbox.put(("ready", index, {**info, "block_size": engine.block_size, "pid": os.getpid()}))
     parent = os.getppid()
+    if not lead:
+        try:
+            follow(model, group, src, alive=lambda: os.getppid() == parent)
+        except RuntimeError:  # a peer rank is gone: the front end names it and stops the group
+            pass
+        finally:
+            leave_group(wait=False)
+        return
+    info = {"eos_ids": model.eos_ids, "mask_id": model.mask_id, "max_model_len": engine.max_model_len}
+    outbox.put(("ready", index, {**info, "block_size": engine.block_size, "pid": os.getpid()}))
 
     def listener(req: Request, event: str) -> None:
         msg = {"final_ids": list(req.final_ids), "canvas": None if req.canvas is None else list(req.canvas)}
+        msg.update(provisional=list(req.provisional_ids), edits=req.edits, post_steps=req.post_steps)
         if event == "finish":
             err = None if req.error is None else f"{type(req.error).__name__}: {req.error}"
             msg.update(reason=req.finish_reason, error=err, output_ids=req.output_ids, text=req.text)
@@ -99,24 +108,54 @@ def replica_main(
 
     try:
         while os.getppid() == parent:  # an orphaned replica (the front end was killed) exits
-            commands = _take_commands(inbox, engine.has_work()) if lead else []
-            if group is not None:  # the lead's commands, to every rank of the group
-                box = [commands]
-                try:
-                    dist.broadcast_object_list(box, src=index * tp_size, group=group)
-                except RuntimeError:  # a peer rank is gone: the front end names it and stops the group
-                    return
-                commands = box[0]
-            if _apply(commands, engine, listener if lead else None, outbox, index):
+            commands = _take_commands(inbox, engine.has_work())
+            if _apply(commands, engine, listener, outbox, index):
                 return
             if engine.has_work():
                 engine.step()
-                if lead:
-                    stats = {k: getattr(engine.stats, k) for k in _STAT_FIELDS}
-                    outbox.put(("step", index, {**stats, "running": engine.num_running, "waiting": engine.num_waiting}))
+                stats = {k: getattr(engine.stats, k) for k in _STAT_FIELDS}
+                outbox.put(("step", index, {**stats, "running": engine.num_running, "waiting": engine.num_waiting}))
+            elif runner is not None:  # followers wait in a collective: keep it short of the timeout
+                runner.send(("idle",))
+    except RuntimeError:  # a collective failed: a follower rank is gone (the front end names it)
+        if runner is None:
+            raise
+        runner = None
     finally:
+        if runner is not None:
+            try:
+                runner.stop()
+            except RuntimeError:
+                pass
         if group is not None:
             leave_group(wait=False)
+
+
+ORPHAN_POLL_S = 0.2
+ORPHANED_EXIT_CODE = 3
+"""A replica process's exit code when it found its front end gone (its parent pid changed)."""
+
+
+def _exit_when_orphaned(index: int, tp_rank: int) -> None:
+    """Exit this replica process within ``ORPHAN_POLL_S`` of its front end's death, whatever it is
+    doing. Why: a rank blocked in the rendezvous, in loading, or in a collective with a lead that
+    died along with the front end never reaches the main loop's parent check, and nothing else
+    stops it before the group's 600 s timeout; with the front end gone nobody reads its results,
+    so it leaves at once (``os._exit``: no collective or interpreter shutdown left to hang in)."""
+    import multiprocessing
+    import sys
+
+    spawner = multiprocessing.parent_process()  # the front end, as it was when it started us
+    parent = spawner.pid if spawner is not None else os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(ORPHAN_POLL_S)
+        print(f"dinfer-rt replica {index} rank {tp_rank}: the front end (pid {parent}) is gone; exiting",
+              file=sys.stderr, flush=True)  # fmt: skip
+        os._exit(ORPHANED_EXIT_CODE)
+
+    threading.Thread(target=watch, name=f"dinfer-orphan-watch-{index}-{tp_rank}", daemon=True).start()
 
 
 def _take_commands(inbox, busy: bool) -> list:
@@ -134,15 +173,15 @@ def _take_commands(inbox, busy: bool) -> list:
 
 
 def _apply(commands: list, engine, listener, outbox, index: int) -> bool:
-    """Apply the commands to the engine; True on "stop". ``listener`` None: a follower rank, which
-    reports nothing."""
+    """Apply the front end's commands to the lead's engine; True on "stop"."""
     for cmd in commands:
         if cmd[0] == "submit":
-            _, rid, prompt, params, max_tokens, canvas = cmd
+            _, rid, prompt, params, max_tokens, canvas, *extra = cmd
             try:
                 engine.submit(
-                    prompt, params, max_tokens=max_tokens, request_id=rid, listener=listener, return_canvas=canvas
-                )
+                    prompt, params, max_tokens=max_tokens, request_id=rid, listener=listener, return_canvas=canvas,
+                    stream_provisional=bool(extra and extra[0]),
+                )  # fmt: skip
             except GenerationError as e:  # the front end checked it; refuse it as an error, not a hang
                 if listener is not None:
                     err = f"{type(e).__name__}: {e}"
@@ -274,10 +313,11 @@ class ReplicaPool:
         request_id: str | None = None,
         listener=None,
         return_canvas: bool = False,
+        stream_provisional: bool = False,
     ) -> Request:
         max_tokens = check_request(
             prompt, params, max_tokens, vocab=self.spec.vocab, max_model_len=self.max_model_len,
-            has_tokenizer=True,
+            has_tokenizer=True, block_causal=self.spec.block_causal,
         )  # fmt: skip
         with self._lock:
             if self.closed:
@@ -295,7 +335,8 @@ class ReplicaPool:
             self.inflight[req.id] = (req, i)
             self.load[i] += 1
             self.served[i] += 1
-        self.inboxes[i].put(("submit", req.id, list(prompt), params, max_tokens, return_canvas))
+        req.stream_provisional = stream_provisional
+        self.inboxes[i].put(("submit", req.id, list(prompt), params, max_tokens, return_canvas, stream_provisional))
         return req
 
     def abort(self, request_id: str) -> None:
@@ -384,6 +425,8 @@ class ReplicaPool:
             return
         req = entry[0]
         req.final_ids, req.canvas = msg["final_ids"], msg.get("canvas")
+        req.provisional_ids = msg.get("provisional", [])
+        req.edits, req.post_steps = msg.get("edits", 0), msg.get("post_steps", 0)
         req.status = "running"
         if event == "finish":
             req.output_ids, req.text = msg.get("output_ids", []), msg.get("text", "")

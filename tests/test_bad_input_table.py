@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 import dinfer_rt
 from dinfer_rt import plugins
+from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import DinferError
 from dinfer_rt.testing import checkpoints
 
@@ -203,7 +204,7 @@ CASES = [
     Case("negative-cfg-scale", _sampling(cfg_scale=-1.0), "cfg_scale -1.0 must be in [0, 100]"),
     Case("float-gen-length", _sampling(gen_length=4.0), "gen_length must be int, got float 4.0"),
     Case("bool-batch-size", _sampling(batch_size=True), "batch_size must be int, got bool True"),
-    Case("zero-sync-every", _sampling(sync_every=0), "sync_every 0 must be >= 1"),
+    Case("zero-sync-every", lambda env: EngineArgs(sync_every=0).validate(), "sync_every must be an int >= 1, got 0"),
     Case("negative-seed", _sampling(seed=-1), "seed -1 must be in [0, 9223372036854775807]"),
     Case("strategy-not-a-string", _sampling(strategy=3), "strategy must be str, got int 3"),
     Case("threshold-above-one", _sampling(threshold=1.5), "threshold 1.5 must be in (0, 1]"),
@@ -283,7 +284,9 @@ CASES = [
     Case("factor-overflows", _sampling(factor=1e39), "factor 1e+39 must be in (0, 1000000]"),
     Case(
         "sync-every-past-a-block",
-        _sampling(gen_length=8, block_length=8, sync_every=41),
+        lambda env: dinfer_rt.LLM(env.ckpt, backend="cpu", sync_every=41).generate(
+            [[7, 8]], dinfer_rt.SamplingParams(gen_length=8, block_length=8)
+        ),
         "sync_every 41 must be <= 40: a block runs at most 40 steps",
     ),
     Case(

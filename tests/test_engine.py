@@ -13,6 +13,7 @@ import torch
 import dinfer_rt
 from dinfer_rt.demo import task
 from dinfer_rt.engine import Engine, EngineClosed, QueueFull
+from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import GenerationError
 from dinfer_rt.llm import LLM
 from dinfer_rt.sampling import SamplingParams
@@ -51,14 +52,14 @@ CONFIGS = [
     dict(strategy="entropy", block_length=8, cache="vicinity", vicinity_warmup=2, vicinity_before=4),
     dict(strategy="credit", block_length=8, cache="prefix"),
     dict(strategy="random", block_length=8, temperature=0.7, seed=5),
-    dict(strategy="hierarchical", block_length=8, sync_every=2),
-    dict(strategy="topk_margin", block_length=8, steps=20, confidence_head=False),
+    dict(strategy="hierarchical", block_length=8),
+    dict(strategy="topk_margin", block_length=8, steps=20),
     dict(strategy="factor", block_length=8, factor=2.0, cache="dual"),
     dict(strategy="maskgit_plus", block_length=8, cache="adaptive", refresh_window=4),
     dict(strategy="threshold", block_length=8, cache="anchored"),
     dict(strategy="low_confidence", block_length=8, cache="anchored", refresh_bound=12, refresh_window=3),
-    dict(strategy="threshold", block_length=8, cache="delayed", sync_every=2),
-    dict(strategy="entropy", block_length=8, steps=20, cache="delayed", confidence_head=False),
+    dict(strategy="threshold", block_length=8, cache="delayed"),
+    dict(strategy="entropy", block_length=8, steps=20, cache="delayed"),
 ]
 
 
@@ -225,7 +226,7 @@ RULES = [
     dict(strategy="credit", threshold=0.3),
     dict(strategy="maskgit_plus", steps=6),
     dict(strategy="topk_margin", steps=6),
-    dict(strategy="entropy", steps=6, confidence_head=False),
+    dict(strategy="entropy", steps=6),
     dict(strategy="random", steps=6),  # its remasking draws follow the cohort's generator
 ]
 CACHES = ["none", "prefix", "dual", "vicinity", "adaptive", "anchored", "delayed"]
@@ -307,7 +308,36 @@ def test_the_confidence_head_choice_is_one_rule_for_every_path():
     assert not uses_confidence_head(SamplingParams(strategy="threshold", temperature=0.5))
     assert not uses_confidence_head(SamplingParams(strategy="threshold", cfg_scale=1.0))
     assert not uses_confidence_head(SamplingParams(strategy="credit"))
-    assert not uses_confidence_head(SamplingParams(strategy="threshold", confidence_head=False))
+    assert not uses_confidence_head(SamplingParams(strategy="threshold"), EngineArgs(confidence_head=False))
+
+
+@pytest.mark.parametrize(
+    "args", [EngineArgs(sync_every=2), EngineArgs(confidence_head=False), EngineArgs(max_forward_tokens=20)]
+)
+def test_engine_settings_apply_to_every_request_and_keep_the_answers(embedded, args):
+    """Engine settings (``EngineArgs``) are the engine's, not a request's: an engine built with
+    them serves requests arriving mid-stream with the tokens ``LLM(..., **settings)`` decodes
+    alone, which are those of the default settings (they trade syncs and memory, not answers)."""
+    prompts = [embedded.encode(t, True) for t in ("qwertyuiop", "asdfghjklz", "zxcvbn")]
+    configs = [
+        dict(strategy="threshold", block_length=8, cache="delayed"),
+        dict(strategy="entropy", block_length=8, steps=8, cache="dual"),
+        dict(strategy="hierarchical", block_length=8),
+    ]
+    engine = Engine(embedded.model, args, max_num_seqs=4)
+    assert engine.args.max_num_seqs == 4 and engine.args.sync_every == args.sync_every
+    tuned = LLM(embedded.model, **dataclasses.asdict(args))
+    for cfg in configs:
+        params = SamplingParams(**cfg, gen_length=16)
+        reqs = [engine.submit(prompts[0], params)]
+        engine.step()
+        reqs += [engine.submit(p, params) for p in prompts[1:]]
+        engine.run_until_idle()
+        for p, req in zip(prompts, reqs):
+            alone = tuned.generate([p], params)[0]
+            assert req.output_ids == alone.token_ids == embedded.generate([p], params)[0].token_ids
+            if args.sync_every > 1:
+                assert alone.stats.nfe % args.sync_every == 0
 
 
 def test_a_static_batch_larger_than_the_engine_or_its_length_is_refused(embedded):

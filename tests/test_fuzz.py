@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import dinfer_rt
+from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import DinferError
 from dinfer_rt.lowering import lower
 from dinfer_rt.model_spec import parse_spec
@@ -108,6 +109,13 @@ def tiny_llm(tmp_path_factory):
 def test_valid_sampling_params_generate(tiny_llm, shape, knobs):
     """Any valid combination runs end to end (every block decoded, or stopped at EOS)."""
     blocks, block = shape
+    knobs = dict(knobs)
+    sync_every = knobs.pop("sync_every")  # an engine setting
     params = dinfer_rt.SamplingParams(gen_length=blocks * block, block_length=block, batch_size=2, chat=False, **knobs)
-    out = tiny_llm.generate([[7, 8, 9], [10, 11]], params)
+    saved = tiny_llm.engine_args
+    tiny_llm.engine_args = EngineArgs.build(saved, sync_every=sync_every)
+    try:
+        out = tiny_llm.generate([[7, 8, 9], [10, 11]], params)
+    finally:
+        tiny_llm.engine_args = saved
     assert len(out) == 2 and all(len(o.token_ids) <= blocks * block for o in out)

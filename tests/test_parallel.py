@@ -3,6 +3,7 @@ greedy generation token for token, failures named by rank, configurations that c
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -189,6 +190,57 @@ def test_a_tensor_parallel_llm_keeps_its_ranks_across_generate_calls():
             assert {p.pid for p in multiprocessing.active_children()} == before  # no process started
             assert [p.pid for group in llm.pool.ranks for p in group] == ranks and all(llm.pool.alive)
     assert not any(p.pid in ranks for p in multiprocessing.active_children())  # close() stopped them
+
+
+def _serve_in_steps(engine, prompts, params):
+    """Request 0 (a shorter output) alone for two steps, then the others: cohorts at different
+    blocks share per-row forwards, and when request 0 ends the later rows move in the KV pool."""
+    reqs = [engine.submit(prompts[0], dataclasses.replace(params, gen_length=8))]
+    engine.step()
+    engine.step()
+    reqs += [engine.submit(p, params) for p in prompts[1:]]
+    engine.run_until_idle()
+    return [r.output_ids for r in reqs]
+
+
+def _scheduler_on_rank_0(rank, world, prompts, params):
+    """Rank 0 runs the engine and decides; rank 1 only runs the forwards rank 0 sends."""
+    from dinfer_rt.engine import Engine, run_batch
+    from dinfer_rt.model_runner import LeadRunner, follow
+
+    model = parallel.load_sharded(None, rank, world)
+    group = ops.COLLECTIVE_GROUPS["tp"]
+    if rank:
+        return {"forwards": follow(model, group, 0)}
+    runner = LeadRunner(model, group, 0)
+    sent, send = [], runner.send
+    runner.send = lambda msg: (sent.append(msg[0]), send(msg))[1]
+    try:
+        static = run_batch(model, prompts, params, runner=runner)
+        engine = Engine(model, max_num_seqs=4, runner=runner)
+        served = _serve_in_steps(engine, prompts, params)
+        forwards = static.nfe + len(engine.forward_s)
+    finally:
+        runner.stop()
+    return {"static": static.tokens, "served": served, "forwards": forwards, "sent": sent, "stats": engine.stats}
+
+
+def test_rank_0_owns_the_scheduler_and_the_others_run_what_it_sends():
+    """The seam of ``model_runner``: under tensor parallelism only rank 0 has an engine; rank 1
+    runs exactly the forwards rank 0 sends (lockstep and per-row, with the pool's row moves) and
+    the answers equal one process's, static and served."""
+    from dinfer_rt.engine import Engine, run_batch
+
+    model = dinfer_rt.load_model()
+    prompts = [model.tokenizer.encode(t) for t in ("qwertyuiop", "asdfghjklz", "abc")]
+    params = SamplingParams(strategy="threshold", block_length=8, cache="dual", gen_length=16)
+    want_static = run_batch(model, prompts, params).tokens
+    want_served = _serve_in_steps(Engine(model, max_num_seqs=4), prompts, params)
+    lead, follower = parallel.launch(2, _scheduler_on_rank_0, prompts, params, timeout=240, all_ranks=True)
+    assert torch.equal(lead["static"], want_static) and lead["served"] == want_served
+    assert follower["forwards"] == lead["forwards"] == lead["sent"].count("run")
+    assert {"bind", "move", "run"} <= set(lead["sent"])  # the pool's moves went to the group too
+    assert lead["stats"].per_row_steps > 0 and lead["stats"].lockstep_steps > 0
 
 
 def _raises_on_rank_1(rank, world):

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import dinfer_rt
 from dinfer_rt import strategies
 from dinfer_rt.engine import run_batch
+from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import GenerationError
 from dinfer_rt.sampling import STRATEGIES, SamplingParams
 
@@ -127,8 +128,7 @@ def test_sync_every_counts_wasted_forwards(ckpt_dir):
     model = dinfer_rt.load_model(ckpt_dir("llada"))
     p = SamplingParams(gen_length=8, block_length=8, strategy="threshold", threshold=0.01, early_stop=False)
     once = run_batch(model, [[7, 8]], p)
-    p.sync_every = 4
-    unrolled = run_batch(model, [[7, 8]], p)
+    unrolled = run_batch(model, [[7, 8]], p, args=EngineArgs(sync_every=4))
     assert torch.equal(once.tokens, unrolled.tokens)
     assert unrolled.nfe >= once.nfe and unrolled.nfe % 4 == 0
 
@@ -227,7 +227,7 @@ def test_confidence_head_equals_the_logits_path(ckpt_dir, name, strategy, cache)
         gen_length=8, block_length=4, strategy=strategy, threshold=0.3, cache=cache, early_stop=False, vicinity_warmup=1
     )
     fused = run_batch(model, [[7, 8, 9], [10, 11]], SamplingParams(**kw))
-    plain = run_batch(model, [[7, 8, 9], [10, 11]], SamplingParams(confidence_head=False, **kw))
+    plain = run_batch(model, [[7, 8, 9], [10, 11]], SamplingParams(**kw), args=EngineArgs(confidence_head=False))
     assert torch.equal(fused.tokens, plain.tokens) and fused.nfe == plain.nfe
     graph = model.executable(cache != "none", 4, head="confidence").graph
     assert graph.op_counts().get("lm_head_confidence") == 1

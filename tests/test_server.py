@@ -180,7 +180,7 @@ BAD = [
     ("completions", {"prompt": "abc", "seed": -3}, "seed"),
     ("completions", {"prompt": "abc", "stream": "yes"}, "stream"),
     ("completions", {"prompt": "abc", "top_p": 0.5}, "top_p"),
-    ("completions", {"prompt": "abc", "frobnicate": 1}, "frobnicate"),
+    ("completions", {"prompt": "abc", "treshold": 0.5}, "treshold"),  # unknown fields are ignored, misspelt knobs not
     ("completions", {"prompt": "abc", "stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": 12}, "prompt"),

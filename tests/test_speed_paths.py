@@ -15,6 +15,7 @@ from dinfer_rt import plugins
 from dinfer_rt.backends.cpu.kernels import AttentionKernels
 from dinfer_rt.demo import task
 from dinfer_rt.engine import run_batch
+from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import DinferError
 from dinfer_rt.executor import Executable
 from dinfer_rt.ir import ops
@@ -178,9 +179,9 @@ def test_cpu_fast_kernels_equal_the_reference_in_float64():
         assert (got - want).abs().max() < 1e-12
 
 
-def _decode(model, prompts, **kw):
+def _decode(model, prompts, args: EngineArgs | None = None, **kw):
     params = SamplingParams(gen_length=8, block_length=4, strategy="threshold", threshold=0.5, early_stop=False, **kw)
-    return run_batch(model, prompts, params)
+    return run_batch(model, prompts, params, args=args)
 
 
 @pytest.mark.parametrize("cache", ["adaptive", "anchored", "delayed"])
@@ -331,9 +332,9 @@ def test_row_slices_of_a_big_forward_decode_like_one_forward(ckpt_dir, cache, he
     KV cache in place): the decisions are those of one whole-batch forward."""
     model = dinfer_rt.load_model(ckpt_dir("dream"))  # padding-derived positions: slices must keep them
     prompts = [[7, 8, 9], [10, 11, 12, 13, 14], [15], [16, 17]]
-    kw = dict(cache=cache, confidence_head=head)
-    whole = _decode(model, prompts, max_forward_tokens=None, **kw)
-    sliced = _decode(model, prompts, max_forward_tokens=13, **kw)  # 13 // 13 positions: one row per slice
+    whole = _decode(model, prompts, EngineArgs(max_forward_tokens=None, confidence_head=head), cache=cache)
+    # 13 // 13 positions: one row per slice
+    sliced = _decode(model, prompts, EngineArgs(max_forward_tokens=13, confidence_head=head), cache=cache)
     assert torch.equal(whole.tokens, sliced.tokens)
     assert whole.nfe == sliced.nfe
 

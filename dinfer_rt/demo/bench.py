@@ -19,6 +19,9 @@ class EvalResult:
     wall_s: float
     n: int
     forwards_by_precision: dict[str, int] = field(default_factory=dict)  # summed over batches
+    edits: int = 0  # token-to-token rewrites over all items (editing rules)
+    edits_per_forward: float = 0.0  # per row-forward, as tpf
+    post_steps: int = 0  # row-forwards after a block's last mask (editing rules)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -49,4 +52,7 @@ def evaluate(llm: LLM, params: SamplingParams, limit: int = task.HELDOUT_SIZE, p
         wall_s=wall,
         n=len(items),
         forwards_by_precision=per,
+        edits=sum(o.stats.edits for o in outs),
+        edits_per_forward=sum(o.stats.edits for o in outs) / max(row_forwards, 1),
+        post_steps=sum(o.stats.post_steps for o in outs),
     )

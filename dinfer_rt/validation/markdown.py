@@ -80,6 +80,15 @@ def render(report: dict) -> str:
                     f"- decisions: {d['steps']} steps, min Jaccard {d['min_jaccard']:.3f}, "
                     f"{len(d['violations'])} near-tie violations ({'pass' if d['passed'] else 'FAIL'})"
                 )
+            edit = checks.get("decisions (joint_threshold)")
+            if edit is not None:  # the editing rule: boundary probes and lock-step decisions vs its oracle
+                d = edit["decisions"]
+                probes = sum(len(c["violations"]) for c in edit["probes"]["cases"])
+                out.append(
+                    f"- joint_threshold decisions: {d['steps']} steps, {d['oracle_edits']} edits, "
+                    f"{d['near_ties']} near ties, {len(d['violations'])} violations, {probes} probe mismatches "
+                    f"({'pass' if edit['passed'] else 'FAIL'})"
+                )
             fr = checks["free_running"]
             out.append(
                 f"- free-running greedy: exact match {fr['exact_match']:.3f}, first divergence "

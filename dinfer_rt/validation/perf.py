@@ -11,13 +11,16 @@ from dinfer_rt.model import Model
 from dinfer_rt.sampling import SamplingParams
 
 
-def measure(model: Model, prompts: list[list[int]], params: SamplingParams, warmup: int = 1, iters: int = 3) -> dict:
+def measure(
+    model: Model, prompts: list[list[int]], params: SamplingParams, warmup: int = 1, iters: int = 3, runner=None
+) -> dict:
+    """``runner``: what runs the forwards (``model_runner``; None: this process)."""
     for _ in range(warmup):
-        run_batch(model, prompts, params)
+        run_batch(model, prompts, params, runner=runner)
     steps: list[float] = []
     tokens, wall = 0, 0.0
     for _ in range(iters):
-        r = run_batch(model, prompts, params)
+        r = run_batch(model, prompts, params, runner=runner)
         steps += r.step_s
         tokens += int(r.committed.sum())
         wall += r.wall_s

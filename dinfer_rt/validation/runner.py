@@ -20,11 +20,20 @@ from dinfer_rt.dtypes import resolve_dtype
 from dinfer_rt.loader import EMBEDDED_MODEL, load_model
 from dinfer_rt.plugins import availability, env_info, registry, select_backend
 from dinfer_rt.sampling import SamplingParams
-from dinfer_rt.validation import model_checks
+from dinfer_rt.validation import editing, model_checks
 from dinfer_rt.validation.conformance import DTYPE_NAMES, run_conformance
 from dinfer_rt.validation.perf import measure
 
 SCHEMA_VERSION = 1
+# the editing rule's lock-step check: LLaDA2.1's quality preset, a short post-step budget
+EDIT_PARAMS = SamplingParams(
+    strategy="joint_threshold", threshold=0.7, edit_threshold=0.5, max_post_steps=4, gen_length=16, block_length=8,
+    early_stop=False,
+)  # fmt: skip
+EDIT_SMALL = SamplingParams(
+    strategy="joint_threshold", threshold=0.5, edit_threshold=0.2, max_post_steps=2, gen_length=8, block_length=4,
+    early_stop=False,
+)  # fmt: skip
 SEED = 0
 
 
@@ -120,6 +129,10 @@ def validate_backend(backend: Backend, dtypes: list[torch.dtype], quick: bool, b
         models["embedded"] = {
             "teacher_forced": model_checks.teacher_forced(test, ref, mixed, answers, 40),
             "decisions": model_checks.decisions(test, ref, mixed, 40),
+            # the editing rule's per-step decisions (its block state machine included) vs its oracle
+            f"decisions ({editing.RULE})": editing.check(
+                test, ref, mixed[:3], EDIT_PARAMS, model_checks.NEAR_TIE[test.dtype]
+            ),
             "free_running": model_checks.free_running(test, ref, llm_prompts, params),
         }
         # informational (no verdict): how far each quantised weight format is from this backend's full precision
@@ -137,6 +150,9 @@ def validate_backend(backend: Backend, dtypes: list[torch.dtype], quick: bool, b
             models[name] = {
                 "teacher_forced": model_checks.teacher_forced(t, r, prompts, None, 8),
                 "free_running": model_checks.free_running(t, r, prompts, small),
+                f"decisions ({editing.RULE})": editing.check(
+                    t, r, [prompts[0]] if t.spec.block_causal else prompts, EDIT_SMALL, model_checks.NEAR_TIE[t.dtype]
+                ),
             }
         bar.update(1)
         out["models"] = models

@@ -1,0 +1,226 @@
+"""The seam between the decode state and the ranks that run the model.
+
+A step's forward is described by one :class:`ForwardInputs` (ids, one window or per-row
+windows, which rows of the KV-cache pool, which outputs are wanted) and run by a runner:
+
+- :class:`LocalRunner` runs it in this process (one device);
+- :class:`LeadRunner` is rank 0 of a tensor/expert-parallel group: it broadcasts each forward's
+  inputs (and the pool's row moves) to the group, then runs its own shard;
+- :func:`follow` is every other rank: it receives the lead's inputs and runs its shard, and
+  never decides anything on its own (the collectives inside the forward pair with the lead's).
+
+The same seam serves the persistent worker processes of ``workers.py`` and ranks started by an
+external launcher (``torchrun``, ``llm.generate_on_rank``). Not to be confused with
+``executor.py``, which runs one compiled graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dinfer_rt.errors import DinferError
+from dinfer_rt.model import KVCache, Model
+
+# ---------------------------------------------------------------- what a forward needs
+
+
+@dataclass
+class RowWindows:
+    """Per-row query windows (cohorts at different blocks in one forward): ``token_index`` /
+    ``positions`` [B, T] and ``key_valid`` [B, S] (see ``Model.forward_rows``)."""
+
+    token_index: torch.Tensor
+    positions: torch.Tensor
+    key_valid: torch.Tensor
+
+
+@dataclass
+class ForwardInputs:
+    """Everything one forward needs, in a form any rank can run.
+
+    ``cache``: ``(first_row, rows, length)`` of the engine's KV-cache pool, or None (uncached).
+    With ``rows`` None the forward is one window for every row (``compute``: the positions
+    computed, None for all; ``attention_mask`` marks real tokens) and ``select`` are positions;
+    with ``rows`` each row has its own window and ``select`` indexes its queries. ``select``
+    None asks for logits, else the confidence head's (score, argmax)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    compute: torch.Tensor | None = None
+    rows: RowWindows | None = None
+    cache: tuple[int, int, int] | None = None
+    select: torch.Tensor | None = None
+    score: str = "max"
+    block_size: int | None = None
+    precision: str | None = None
+
+
+def run_on(model: Model, inputs: ForwardInputs, cache: KVCache | None):
+    """Run ``inputs`` on ``model`` with ``cache`` (the pool rows ``inputs.cache`` names): the one
+    entry point a step calls (``Model.forward`` / ``confidence`` / ``forward_rows`` are its three
+    shapes, kept as they are for tests and likelihood)."""
+    if inputs.rows is not None:
+        w = inputs.rows
+        return model.forward_rows(
+            inputs.input_ids, w.token_index, w.positions, w.key_valid, cache,
+            select=inputs.select, score=inputs.score, block_size=inputs.block_size,
+        )  # fmt: skip
+    if inputs.select is None:
+        return model.forward(
+            inputs.input_ids, inputs.attention_mask, cache=cache, compute=inputs.compute,
+            block_size=inputs.block_size, precision=inputs.precision,
+        )  # fmt: skip
+    return model.confidence(
+        inputs.input_ids, inputs.attention_mask, select=inputs.select, score=inputs.score, cache=cache,
+        compute=inputs.compute, block_size=inputs.block_size, precision=inputs.precision,
+    )  # fmt: skip
+
+
+class CachePoolRows:
+    """A KV-cache pool and views of its rows, built once per ``(first_row, rows, length)``: the
+    same views come back every step (the backends' per-forward memos key on them)."""
+
+    def __init__(self, pool: KVCache | None = None) -> None:
+        self.pool = pool
+        self._views: dict[tuple[int, int, int], KVCache] = {}
+
+    def view(self, rows: tuple[int, int, int] | None) -> KVCache | None:
+        if rows is None:
+            return None
+        if self.pool is None:
+            raise DinferError("a cached forward ran without a KV-cache pool bound to the runner")
+        view = self._views.get(rows)
+        if view is None:
+            a, b, n = rows
+            pool = self.pool
+            whole = a == 0 and b == pool.k[0].shape[0] and n == pool.length
+            view = pool if whole else KVCache([k[a : a + b, :n] for k in pool.k], [v[a : a + b, :n] for v in pool.v])
+            if len(self._views) > 64:
+                self._views.clear()
+            self._views[rows] = view
+        return view
+
+    def move(self, moves: list[tuple[int, int, int, int]]) -> None:
+        """Copy pool rows ``(dst, src, rows, length)`` in order (the engine packs its rows down)."""
+        if self.pool is None:
+            return
+        for dst, src, b, n in moves:
+            for buf in (*self.pool.k, *self.pool.v):
+                part = buf[src : src + b, :n]
+                buf[dst : dst + b, :n].copy_(part.clone() if src < dst + b else part)
+
+
+# ---------------------------------------------------------------- runners
+
+
+class LocalRunner:
+    """Runs forwards in this process over the pool it is bound to (the engine's KV cache)."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.rows = CachePoolRows()
+
+    def bind(self, pool: KVCache | None) -> None:
+        """The engine's KV-cache pool (None: released)."""
+        self.rows = CachePoolRows(pool)
+
+    def move_rows(self, moves: list[tuple[int, int, int, int]]) -> None:
+        self.rows.move(moves)
+
+    def __call__(self, inputs: ForwardInputs):
+        return run_on(self.model, inputs, self.rows.view(inputs.cache))
+
+
+class LeadRunner(LocalRunner):
+    """Rank 0 of a model-parallel group: each forward's inputs go to the group first.
+
+    Messages (one ``broadcast_object_list`` each): ``("bind", rows, length)`` a fresh pool,
+    ``("move", moves)``, ``("run", inputs)``, ``("idle",)`` (a heartbeat while nothing runs, so
+    a follower's wait never reaches the group's timeout), ``("stop",)``."""
+
+    def __init__(self, model: Model, group, src: int) -> None:
+        super().__init__(model)
+        self.group, self.src = group, src
+        self.stopped = False
+        from dinfer_rt.parallel import BEFORE_LEAVING
+
+        BEFORE_LEAVING.append(self.stop)  # a lead leaving its group releases its followers first
+
+    def stop(self) -> None:
+        """Release the followers (their ``follow`` returns); idempotent."""
+        if not self.stopped:
+            self.stopped = True
+            self.send(("stop",))
+
+    def send(self, msg: tuple) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([msg], src=self.src, group=self.group)
+
+    def bind(self, pool: KVCache | None) -> None:
+        super().bind(pool)
+        if pool is not None:
+            self.send(("bind", pool.k[0].shape[0], pool.length))
+
+    def move_rows(self, moves) -> None:
+        self.send(("move", moves))
+        super().move_rows(moves)
+
+    def __call__(self, inputs: ForwardInputs):
+        self.send(("run", inputs))
+        return super().__call__(inputs)
+
+
+def on_rank(model: Model) -> LeadRunner | None:
+    """This rank's part under a process group someone started (``torchrun``, ``parallel.launch``):
+    the lead of the model's tensor-parallel group gets its :class:`LeadRunner` (to drive the
+    engine and ``stop()`` at the end); every other rank follows the lead here until it stops,
+    and gets None (its work is done)."""
+    import torch.distributed as dist
+
+    from dinfer_rt.ir import ops
+
+    group = ops.COLLECTIVE_GROUPS.get("tp")
+    if group is None:
+        raise DinferError("on_rank: no tensor-parallel group (parallel.init_group was not called)")
+    src = 0 if group is dist.group.WORLD else dist.get_global_rank(group, 0)
+    if dist.get_rank() != src:
+        follow(model, group, src)
+        return None
+    return LeadRunner(model, group, src)
+
+
+def follow(model: Model, group, src: int, alive: Callable[[], bool] = lambda: True) -> int:
+    """A follower rank's loop: run what the lead sends until it says stop (or a collective fails
+    because a peer died: the caller reports it). ``alive`` is asked after each message. Returns
+    the number of forwards run."""
+    import torch.distributed as dist
+
+    rows = CachePoolRows()
+    forwards = 0
+    while alive():
+        box: list = [None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        msg = box[0]
+        kind = msg[0]
+        if kind == "run":
+            run_on(model, msg[1], rows.view(msg[1].cache))
+            forwards += 1
+        elif kind == "bind":
+            pool = rows.pool
+            if pool is None or (pool.k[0].shape[0], pool.length) != (msg[1], msg[2]):
+                pool = model.new_cache(msg[1], msg[2])
+            else:  # a pool lent again is zeroed, as the lead's is (``CachePool.acquire``)
+                for t in (*pool.k, *pool.v):
+                    t.zero_()
+            rows = CachePoolRows(pool)
+        elif kind == "move":
+            rows.move(msg[1])
+        elif kind == "stop":
+            return forwards
+        elif kind != "idle":
+            raise DinferError(f"follower rank: unknown message {kind!r} from the lead")
+    return forwards

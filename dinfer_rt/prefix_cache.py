@@ -1,0 +1,224 @@
+"""A block prefix cache across requests: the K/V of whole, aligned blocks, keyed by token ids.
+
+Block-causal models (LLaDA2.x, SDAR) align blocks to absolute position 0 and let a block see
+only itself and the blocks before it, so the K/V of block ``b`` depend on the tokens of blocks
+``0..b`` and nothing else: a request whose prompt starts with the same blocks as an earlier
+sequence can copy those K/V instead of computing them, and decodes exactly as it would cold.
+
+Each cached block is keyed by a chain hash: the hash of its predecessor's key, the block length
+and its own token ids, so equal blocks after different prefixes are different entries. A
+lookup walks the chain from position 0 and stops at the first miss (the longest cached prefix).
+An entry also keeps its tokens and its parent, compared on every hit, so a hash collision can
+never hand back another sequence's K/V.
+
+Entries are shared by reference count: a running request holds the blocks it copied (and the
+ones it inserted) until it ends, and a held block is never evicted. Under the byte budget the
+least recently used block that nothing holds and that has no cached successor is evicted first
+(a parent outlives its children: evicting it would leave them unreachable but still counted).
+
+The engine (``engine.py``) decides which requests may use the cache and which of a request's
+blocks hold exact K/V; this module only stores, finds and evicts them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dinfer_rt.errors import GenerationError
+from dinfer_rt.model import KVCache
+
+_ROOT = b"dinfer-rt prefix cache"
+
+
+def block_key(parent: bytes, block_length: int, tokens: Sequence[int]) -> bytes:
+    """The chain hash of one block: its predecessor's key, the block length (the block mask
+    differs with it) and its token ids."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(block_length.to_bytes(4, "little"))
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+@dataclass(eq=False)
+class CachedBlock:
+    """One block's K/V (per layer, [block_length, kv_heads, head_dim]) and its place in the chain."""
+
+    key: bytes
+    parent: CachedBlock | None
+    tokens: tuple[int, ...]
+    start: int  # its first position (blocks align to position 0)
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    nbytes: int
+    refs: int = 0  # running requests that hold it
+    children: int = 0  # cached blocks whose parent it is
+    alive: bool = field(default=True, repr=False)  # False once evicted
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # lookups (one per admitted request that may use the cache)
+    query_tokens: int = 0  # tokens those lookups could have hit (whole prompt blocks before the tail's block)
+    hit_tokens: int = 0  # tokens whose K/V were copied from the cache
+    inserted_blocks: int = 0
+    evicted_blocks: int = 0
+    blocks: int = 0  # blocks held now
+    bytes: int = 0  # bytes held now
+
+
+class PrefixCache:
+    """Cached blocks under a byte budget (``budget_bytes`` > 0); used by one engine thread."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
+            raise GenerationError(
+                f"prefix_cache_bytes must be an int >= 1 for a prefix cache (0 turns it off), got {budget_bytes!r}"
+            )
+        self.budget = budget_bytes
+        self.stats = PrefixCacheStats()
+        self._blocks: OrderedDict[bytes, CachedBlock] = OrderedDict()  # least recently used first
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def held(self) -> int:
+        """Blocks some running request holds (never evicted)."""
+        return sum(1 for n in self._blocks.values() if n.refs > 0)
+
+    # ---------------------------------------------------------------- lookup
+    def match(self, tokens: Sequence[int], block_length: int, max_blocks: int) -> list[CachedBlock]:
+        """The cached chain for the longest prefix of ``tokens`` in whole blocks (at most
+        ``max_blocks``), without touching counts or recency."""
+        chain: list[CachedBlock] = []
+        parent_key, parent = _ROOT, None
+        for b in range(max_blocks):
+            ids = tuple(tokens[b * block_length : (b + 1) * block_length])
+            if len(ids) < block_length:
+                break
+            node = self._blocks.get(block_key(parent_key, block_length, ids))
+            if node is None or node.tokens != ids or node.parent is not parent or node.start != b * block_length:
+                break
+            chain.append(node)
+            parent_key, parent = node.key, node
+        return chain
+
+    def lookup(self, tokens: Sequence[int], block_length: int, max_blocks: int) -> list[CachedBlock]:
+        """:meth:`match`, counted in the stats, its blocks held (``release`` them when the
+        request ends) and made most recently used."""
+        chain = self.match(tokens, block_length, max_blocks)
+        self.stats.queries += 1
+        self.stats.query_tokens += max_blocks * block_length
+        self.stats.hit_tokens += len(chain) * block_length
+        self.acquire(chain)
+        return chain
+
+    def acquire(self, chain: list[CachedBlock]) -> None:
+        for node in chain:
+            node.refs += 1
+            if node.alive:
+                self._blocks.move_to_end(node.key)
+
+    def release(self, chain: list[CachedBlock]) -> None:
+        for node in chain:
+            if node.refs <= 0:
+                raise RuntimeError("prefix cache: a block was released more often than it was held")
+            node.refs -= 1
+
+    @staticmethod
+    def copy_into(chain: list[CachedBlock], pool: KVCache, row: int) -> int:
+        """Write the chain's K/V into row ``row`` of ``pool`` at their positions; returns the
+        positions written (the cached prefix length)."""
+        for node in chain:
+            a, b = node.start, node.start + len(node.tokens)
+            for dst, src in zip((*pool.k, *pool.v), (*node.k, *node.v)):
+                dst[row, a:b].copy_(src)
+        return sum(len(n.tokens) for n in chain)
+
+    # ---------------------------------------------------------------- insert
+    def insert(
+        self, tokens: Sequence[int], block_length: int, num_blocks: int, pool: KVCache, row: int
+    ) -> list[CachedBlock]:
+        """Cache the first ``num_blocks`` whole blocks of ``tokens`` from row ``row`` of ``pool``
+        (the caller vouches that their K/V there are exact: computed over these very tokens).
+        Blocks already cached are only made recent. Stops early when the budget cannot make
+        room (every other block held or a parent). Returns the chain now cached for them, held
+        for the caller (``release`` it)."""
+        chain: list[CachedBlock] = []
+        parent_key, parent = _ROOT, None
+        try:
+            for b in range(num_blocks):
+                ids = tuple(int(t) for t in tokens[b * block_length : (b + 1) * block_length])
+                if len(ids) < block_length:
+                    break
+                key = block_key(parent_key, block_length, ids)
+                node = self._blocks.get(key)
+                if node is not None and (node.tokens != ids or node.parent is not parent):
+                    break  # a hash collision: keep the entry there, cache nothing past it
+                if node is None:
+                    a = b * block_length
+                    k = [t[row, a : a + block_length].clone() for t in pool.k]
+                    v = [t[row, a : a + block_length].clone() for t in pool.v]
+                    nbytes = sum(t.numel() * t.element_size() for t in (*k, *v))
+                    if not self._make_room(nbytes):
+                        break
+                    node = CachedBlock(key, parent, ids, a, k, v, nbytes)
+                    self._blocks[key] = node
+                    if parent is not None:
+                        parent.children += 1
+                    self.stats.inserted_blocks += 1
+                    self.stats.blocks += 1
+                    self.stats.bytes += nbytes
+                self.acquire([node])  # held while the rest is inserted (room is never made from it)
+                chain.append(node)
+                parent_key, parent = key, node
+        except BaseException:
+            self.release(chain)
+            raise
+        return chain
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict least recently used, unheld leaf blocks until ``nbytes`` more fit the budget."""
+        if nbytes > self.budget:
+            return False
+        while self.stats.bytes + nbytes > self.budget:
+            victim = next((n for n in self._blocks.values() if n.refs == 0 and n.children == 0), None)
+            if victim is None:
+                return False
+            self._evict(victim)
+        return True
+
+    def _evict(self, node: CachedBlock) -> None:
+        del self._blocks[node.key]
+        node.alive = False
+        node.k, node.v = [], []
+        if node.parent is not None:
+            node.parent.children -= 1
+        self.stats.evicted_blocks += 1
+        self.stats.blocks -= 1
+        self.stats.bytes -= node.nbytes
+
+    def clear(self) -> None:
+        """Drop every block nothing holds (leaves first, so parents become leaves)."""
+        while True:
+            victims = [n for n in self._blocks.values() if n.refs == 0 and n.children == 0]
+            if not victims:
+                return
+            for n in victims:
+                self._evict(n)
+
+
+def default_budget(device: torch.device, fraction: float = 0.1, cpu_bytes: int = 1 << 30) -> int:
+    """The prefix cache's byte budget when none is given: ``fraction`` of the device's free
+    memory on a CUDA / ROCm device (measured after the engine's KV-cache pool is allocated), a
+    fixed ``cpu_bytes`` (1 GiB) elsewhere: on the CPU free memory is shared with everything else,
+    and other devices report none through torch."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(1, int(free * fraction))
+    return cpu_bytes
