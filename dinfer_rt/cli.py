@@ -178,6 +178,16 @@ def _llm(a: argparse.Namespace):
     return _choose_template(llm, a)
 
 
+def _add_run_args(p: argparse.ArgumentParser, parallel: bool = True) -> None:
+    """The flags of every command that decodes: the model, the request settings, the engine
+    settings and (unless the command adds its own) the parallel sizes."""
+    _add_model_args(p)
+    _add_sampling_args(p)
+    _add_engine_args(p)
+    if parallel:
+        _add_parallel_args(p)
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """How the engine runs (``EngineArgs``): apart from what a request means."""
     d = EngineArgs()
@@ -720,10 +730,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--allow-mask-in-prompt", action="store_true", help="let a prompt hold the mask token (infilling on purpose)"
     )
-    _add_parallel_args(g)
-    _add_model_args(g)
-    _add_sampling_args(g)
-    _add_engine_args(g)
+    _add_run_args(g)
     g.set_defaults(func=cmd_generate)
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: localhost only)")
@@ -769,9 +776,7 @@ def build_parser() -> argparse.ArgumentParser:
         "memory, else 1 GiB; 0: off)",
     )
     sv.add_argument("--no-prefix-cache", action="store_true", help="turn the block prefix cache off")
-    _add_model_args(sv)
-    _add_sampling_args(sv)
-    _add_engine_args(sv)
+    _add_run_args(sv, parallel=False)
     sv.set_defaults(func=cmd_serve)
 
     e = sub.add_parser("eval", help="accuracy and speed: the embedded model's held-out set, or --data FILE.jsonl")
@@ -789,10 +794,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="one JSON object: accuracy, nfe, tpf, tokens_per_s, wall_s, n, forwards_by_precision",
     )
-    _add_model_args(e)
-    _add_sampling_args(e)
-    _add_engine_args(e)
-    _add_parallel_args(e)
+    _add_run_args(e)
     e.set_defaults(func=cmd_eval, batch_size=50)
     k = sub.add_parser("bench", help="per-step latency, tokens/s and peak memory of one configuration")
     k.add_argument("--warmup", type=_int_in(0), default=1)
@@ -801,10 +803,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = k.add_mutually_exclusive_group()
     src.add_argument("--data", type=Path, default=None, help="JSONL file whose 'prompt' fields are measured")
     src.add_argument("--prompt-len", type=_int_in(1), default=None, help="random prompts of N token ids")
-    _add_model_args(k)
-    _add_sampling_args(k)
-    _add_engine_args(k)
-    _add_parallel_args(k)
+    _add_run_args(k)
     k.set_defaults(func=cmd_bench, batch_size=8)
     val = sub.add_parser("validate", help="prove backends against the float64 reference; report and verdict")
     val.add_argument("--backends", default="all", help="comma-separated names, or 'all' available backends")

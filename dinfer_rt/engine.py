@@ -298,12 +298,15 @@ class Engine:
         self.forward_s.append(wall)
         return len(self.forward_s) - 1
 
-    def _queue(self, group: list[Request], cohort: Cohort) -> None:
+    def _wire(self, group: list[Request], cohort: Cohort) -> None:
         for row, req in enumerate(group):
             req.cohort, req.row = cohort, row
         cohort.requests = group
         cohort.on_forward = self._on_forward
         cohort.run = self.runner
+
+    def _queue(self, group: list[Request], cohort: Cohort) -> None:
+        self._wire(group, cohort)
         with self._lock:
             if self.closed:
                 raise EngineClosed("the engine is shutting down and admits no new requests")
@@ -415,6 +418,7 @@ class Engine:
                 if rows + cohort.b > self.max_num_seqs or (self.cohorts and used + need > self.max_num_batched_tokens):
                     return
                 self.waiting.popleft()
+                group, cohort = self._merge_waiting(group, cohort, rows, used)
             cohort.start_row = rows
             try:
                 if self.prefix_cache is not None:
@@ -435,6 +439,35 @@ class Engine:
                 self._prefix_fresh.append(cohort)
             rows += cohort.b
             used += cohort.b * len(cohort.window.compute)
+
+    def _merge_waiting(self, group: list[Request], cohort: Cohort, rows: int, used: int):
+        """Requests waiting together with the same settings decode as one cohort, left-padded
+        like a static batch: one lockstep forward instead of padded per-row windows (at
+        saturation the engine then runs at offline speed), and the same tokens (a static batch
+        decodes each prompt as alone). Only where that holds without conditions: single-request
+        groups of a bidirectional family, greedy and draw-free (a cohort's rows share one random
+        generator), whose window does not depend on its rows. Called with the lock held. A merged
+        cohort's rows stay taken until its last request ends."""
+        p = group[0].params
+        draws = p.temperature > 0 or p.strategy == "random"
+        if len(group) != 1 or self.model.spec.block_causal or cohort.row_dependent or draws:
+            return group, cohort
+        params, merged = group[0].params, [group[0]]
+        longest = len(group[0].prompt)
+        while self.waiting and rows + len(merged) < self.max_num_seqs:
+            nxt = self.waiting[0]
+            if len(nxt) != 1 or nxt[0].params != params:
+                break
+            n = max(longest, len(nxt[0].prompt)) + params.gen_length
+            if n > self.max_model_len or used + (len(merged) + 1) * n > self.max_num_batched_tokens:
+                break
+            longest = max(longest, len(nxt[0].prompt))
+            merged.append(self.waiting.popleft()[0])
+        if len(merged) == 1:
+            return group, cohort
+        together = Cohort(self.model, [r.prompt for r in merged], params, self.args)
+        self._wire(merged, together)
+        return merged, together
 
     def _forward_and_decide(self) -> None:
         cohorts, st = self.cohorts, self.stats

@@ -16,6 +16,7 @@ external launcher (``torchrun``, ``llm.generate_on_rank``). Not to be confused w
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -170,8 +171,25 @@ class LeadRunner(LocalRunner):
         super().move_rows(moves)
 
     def __call__(self, inputs: ForwardInputs):
-        self.send(("run", inputs))
+        self.send(("run", _on_host(inputs)))
         return super().__call__(inputs)
+
+
+def _on_host(inputs: ForwardInputs) -> ForwardInputs:
+    """The inputs with host tensors: a device tensor would unpickle onto the lead's device index
+    on another rank. (A device-resident sequence then costs one copy to the host per forward; a
+    tensor broadcast on the device would not, and is not built.)"""
+
+    def host(t):
+        return t.cpu() if isinstance(t, torch.Tensor) else t
+
+    rows = inputs.rows
+    if rows is not None:
+        rows = RowWindows(host(rows.token_index), host(rows.positions), host(rows.key_valid))
+    return dataclasses.replace(
+        inputs, input_ids=host(inputs.input_ids), attention_mask=host(inputs.attention_mask),
+        compute=host(inputs.compute), rows=rows, select=host(inputs.select),
+    )  # fmt: skip
 
 
 def on_rank(model: Model) -> LeadRunner | None:

@@ -145,7 +145,8 @@ def test_a_failing_step_fails_only_its_requests(embedded, monkeypatch):
     prompt = embedded.encode("asdfghjklq", True)
     params = SamplingParams(strategy="threshold", block_length=8)
     engine = Engine(embedded.model, max_num_seqs=2)
-    first = [engine.submit(prompt, params) for _ in range(2)]
+    # different settings: two cohorts, which share per-row forwards (equal ones would merge)
+    first = [engine.submit(prompt, params), engine.submit(prompt, dataclasses.replace(params, threshold=0.8))]
     real, calls = embedded.model.forward_rows, {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -396,3 +397,27 @@ def test_serve_refuses_at_start_up_defaults_every_request_would_be_refused_with(
     assert main(["serve", "--port", "1", *flags]) == 2
     err = capsys.readouterr().err
     assert "every request would be refused with these defaults" in err and message in err
+
+
+def test_requests_waiting_together_decode_as_one_lockstep_cohort(embedded):
+    """Requests that wait together with the same greedy settings are admitted as one cohort (one
+    lockstep forward, as offline); their tokens are those of each request alone. Sampled ones
+    (a cohort shares one generator) and ones arriving later keep their own cohorts."""
+    prompts = [embedded.encode(t, True) for t in ("qwertyuiop", "asdfghjklz", "zxcvbn", "plmokn")]
+    params = SamplingParams(strategy="threshold", block_length=8, cache="dual", gen_length=16)
+    engine = Engine(embedded.model, max_num_seqs=3)
+    reqs = [engine.submit(p, dataclasses.replace(params)) for p in prompts]  # equal settings, own objects
+    engine.step()
+    assert len(engine.cohorts) == 1 and engine.cohorts[0].b == 3  # bounded by max_num_seqs
+    engine.run_until_idle()
+    assert engine.stats.per_row_steps == 0 and engine.stats.lockstep_steps > 0
+    for p, req in zip(prompts, reqs):
+        assert req.output_ids == embedded.generate([p], params)[0].token_ids
+    sampled = dataclasses.replace(params, temperature=0.7, seed=3)
+    engine = Engine(embedded.model, max_num_seqs=3)
+    reqs = [engine.submit(p, sampled) for p in prompts[:2]]
+    engine.step()
+    assert [c.b for c in engine.cohorts] == [1, 1]
+    engine.run_until_idle()
+    for p, req in zip(prompts, reqs):
+        assert req.output_ids == embedded.generate([p], sampled)[0].token_ids
