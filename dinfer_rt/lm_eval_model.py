@@ -33,10 +33,24 @@ from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import DinferError
 from dinfer_rt.likelihood import loglikelihood
 from dinfer_rt.llm import LLM
+from dinfer_rt.loader import model_folder
+from dinfer_rt.plugins import select_backend
 from dinfer_rt.sampling import SamplingParams
 
 _SAMPLING_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
 _ENGINE_FIELDS = [f.name for f in dataclasses.fields(EngineArgs)]
+
+
+def _flag(value) -> bool:
+    """A boolean model argument (lm-eval passes ``true`` / ``True`` / ``1`` as typed or as text)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes"):
+        return True
+    if text in ("0", "false", "no"):
+        return False
+    raise DinferError(f"--model_args: expert_parallel must be true or false, got {value!r}")
 
 
 @register_model("dinfer_rt")
@@ -49,26 +63,38 @@ class DinferLM(LM):
         mc_num: int = 128,
         mc_batch_size: int = 32,
         batch_size: int | str = 16,
+        tensor_parallel_size: int = 1,
+        expert_parallel: bool = False,
         **sampling,
     ) -> None:
+        """``tensor_parallel_size`` > 1: generation runs on a tensor-parallel group of worker
+        processes that stay up for the evaluation (likelihood tasks need the model here)."""
         super().__init__()
         unknown = sorted(set(sampling) - set(_SAMPLING_FIELDS) - set(_ENGINE_FIELDS) - {"device", "max_batch_size"})
         if unknown:
             raise DinferError(
                 f"--model_args: unknown argument(s) {', '.join(unknown)} for dinfer_rt; "
-                f"known: pretrained, backend, dtype, mc_num, mc_batch_size, batch_size, {', '.join(_SAMPLING_FIELDS)}, "
-                f"{', '.join(_ENGINE_FIELDS)}"
+                "known: pretrained, backend, dtype, mc_num, mc_batch_size, batch_size, tensor_parallel_size, "
+                f"expert_parallel, {', '.join(_SAMPLING_FIELDS)}, {', '.join(_ENGINE_FIELDS)}"
             )
         sampling.pop("device", None)  # lm-eval passes its --device; the backend decides the device here
         sampling.pop("max_batch_size", None)
         engine = {name: sampling.pop(name) for name in _ENGINE_FIELDS if name in sampling}
-        self.llm = LLM(pretrained or None, backend=backend, dtype=dtype, **engine)
+        tp, ep = int(tensor_parallel_size), _flag(expert_parallel)
+        self.llm = LLM(
+            pretrained or None, backend=backend, dtype=dtype, tensor_parallel_size=tp, expert_parallel=ep, **engine
+        )
+        self.path = model_folder(pretrained or None)
         self.mc_num, self.mc_batch_size = int(mc_num), int(mc_batch_size)
         self.batch_size = 16 if str(batch_size).startswith("auto") else int(batch_size)
         defaults = SamplingParams(**sampling, batch_size=self.batch_size, chat=False)
-        self.defaults = defaults.for_model(self.llm.model.spec)  # the checkpoint's block where none is set
-        self._rank, self._world_size = _join_data_parallel(self.llm.model.backend)
-        self._device = self.llm.model.backend.device()
+        spec = self.llm.model.spec if self.llm.model is not None else self.llm.pool.spec
+        self.defaults = defaults.for_model(spec)  # the checkpoint's block where none is set
+        chosen = self.llm.model.backend if self.llm.model is not None else select_backend(backend)
+        if tp > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise DinferError("tensor_parallel_size > 1 under a launcher's data parallelism is not supported")
+        self._rank, self._world_size = _join_data_parallel(chosen)
+        self._device = chosen.device()
 
     # ---------------------------------------------------------------- data parallel (lm-eval splits requests by rank)
     def all_gather(self, tensor):
@@ -99,13 +125,13 @@ class DinferLM(LM):
     # ---------------------------------------------------------------- chat
     @property
     def tokenizer_name(self) -> str:
-        return str(self.llm.model.path)
+        return str(self.path)
 
     def chat_template(self, chat_template: bool | str = False) -> str | None:
-        return self.llm.model.tokenizer.chat_template
+        return self.llm.tokenizer.chat_template
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.llm.model.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt)
+        return self.llm.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt)
 
     # ---------------------------------------------------------------- generation
     def _params_for(self, gen_kwargs: dict) -> tuple[SamplingParams, int]:
@@ -129,7 +155,7 @@ class DinferLM(LM):
         groups: dict[str, list[int]] = {}
         for i, req in enumerate(requests):
             groups.setdefault(repr(sorted(req.args[1].items())), []).append(i)
-        tok = self.llm.model.tokenizer
+        tok = self.llm.tokenizer
         with tqdm(total=len(requests), desc="dinfer_rt generate_until", disable=disable_tqdm) as bar:
             for idx in groups.values():
                 params, max_toks = self._params_for(requests[idx[0]].args[1])
@@ -145,6 +171,11 @@ class DinferLM(LM):
 
     # ---------------------------------------------------------------- likelihoods
     def _score(self, context: list[int], continuation: list[int], greedy: bool):
+        if self.llm.model is None:
+            raise DinferError(
+                "likelihood tasks need the model in this process: tensor_parallel_size > 1 serves "
+                "generate_until tasks only"
+            )
         return loglikelihood(
             self.llm.model,
             context,
@@ -157,7 +188,7 @@ class DinferLM(LM):
         )
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        tok = self.llm.model.tokenizer
+        tok = self.llm.tokenizer
         results = []
         for req in tqdm(requests, desc="dinfer_rt loglikelihood", disable=disable_tqdm):
             context, continuation = req.args
@@ -167,7 +198,7 @@ class DinferLM(LM):
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        tok = self.llm.model.tokenizer
+        tok = self.llm.tokenizer
         bos = tok.special_id("bos_token")
         results = []
         for req in tqdm(requests, desc="dinfer_rt loglikelihood_rolling", disable=disable_tqdm):

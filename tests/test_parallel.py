@@ -392,6 +392,21 @@ def test_llm_eval_and_bench_take_the_tensor_parallel_size(tmp_path):
     llm = dinfer_rt.LLM(tensor_parallel_size=2)
     assert llm.model is None
     assert [(o.text, o.token_ids) for o in llm.generate(prompts, params)] == want
+    llm.close()
+    # the lm-eval model: generation on the group, likelihood refused naming why
+    from lm_eval.api.instance import Instance
+
+    from dinfer_rt.lm_eval_model import DinferLM
+
+    asks = [Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 16}), i) for i, p in enumerate(prompts)]
+    alone = DinferLM(strategy="threshold", block_length=8).generate_until(asks, disable_tqdm=True)
+    lm = DinferLM(strategy="threshold", block_length=8, tensor_parallel_size=2, expert_parallel="false")
+    try:
+        assert lm.generate_until(asks, disable_tqdm=True) == alone
+        with pytest.raises(dinfer_rt.errors.DinferError, match="likelihood tasks need the model in this process"):
+            lm.loglikelihood([Instance("loglikelihood", {}, ("ab", "c"), 0)], disable_tqdm=True)
+    finally:
+        lm.llm.close()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = [sys.executable, "-m", "dinfer_rt"]
     common = ["--strategy", "threshold", "--block-length", "8", "--json"]
