@@ -361,7 +361,9 @@ def serving_checks(backend_name: str) -> dict:
     offline_s = time.perf_counter() - t0
 
     def serve_all(engine: Engine, ids: list[list[int]]) -> list:
-        reqs = [engine.submit(p, params) for p in ids]  # each its own cohort, as the server submits
+        # submitted together, as a burst reaches the server: equal greedy settings merge into
+        # lockstep cohorts of up to max_num_seqs rows (requests arriving later run per-row)
+        reqs = [engine.submit(p, params) for p in ids]
         engine.run_until_idle()
         return reqs
 
@@ -382,6 +384,34 @@ def serving_checks(backend_name: str) -> dict:
         "engine_per_row_steps": engine.stats.per_row_steps,
         "engine_padded_share": engine.stats.padded_tokens / max(engine.stats.computed_tokens, 1),
     }
+
+
+def editing_checks(backend_name: str) -> dict:
+    """LLaDA2.1's token-to-token editing rule (``joint_threshold``, issue #39) on the device:
+    tokens against the cpu backend's, tokens/s, edits per forward (embedded model, 64 held-out
+    prompts, batch 16; the model was not trained to edit, so accuracy is not the point here)."""
+    import dinfer_rt
+    from dinfer_rt.demo import task
+    from dinfer_rt.sampling import SamplingParams
+
+    prompts = [it.letters for it in task.heldout(64)]
+    rows = {}
+    for preset, edit in (("quality", 0.5), ("never edits", 1.0)):
+        params = SamplingParams(
+            strategy="joint_threshold", threshold=0.7, edit_threshold=edit, block_length=8, batch_size=16
+        )
+        dev, cpu = dinfer_rt.LLM(backend=backend_name), dinfer_rt.LLM(backend="cpu")
+        dev.generate(prompts[:16], params)  # warm-up
+        t0 = time.perf_counter()
+        outs = dev.generate(prompts, params)
+        wall = time.perf_counter() - t0
+        ref = cpu.generate(prompts, params)
+        rows[preset] = {
+            "equal_to_cpu": f"{sum(o.token_ids == r.token_ids for o, r in zip(outs, ref))}/{len(outs)}",
+            "tokens_per_s": sum(o.stats.tokens for o in outs) / wall,
+            "edits_per_forward": sum(o.stats.edits for o in outs) / max(sum(o.stats.nfe for o in outs), 1),
+        }
+    return rows
 
 
 def cache_policy_checks(backend_name: str) -> list[dict]:
@@ -518,6 +548,14 @@ def render(result: dict) -> list[str]:
             f"(passed {v['per_row_passed']}); engine {v['engine_tokens_per_s']:.0f} tok/s vs offline batched "
             f"{v['offline_tokens_per_s']:.0f} tok/s, outputs equal {v['engine_equal_outputs']}"
         )
+    e = result.get("editing")
+    if e and not failed(e):
+        lines += ["", "| joint_threshold (0.7, b8, batch 16) | equal to cpu | tokens/s | edits per forward |"]
+        lines += ["|---|---|---|---|"]
+        lines += [
+            f"| edit threshold: {k} | {r['equal_to_cpu']} | {r['tokens_per_s']:.0f} | {r['edits_per_forward']:.2f} |"
+            for k, r in e.items()
+        ]
     if isinstance(result.get("cache_policies"), list):
         lines += ["", "| cache policy (embedded task, threshold 0.9, b8) | batch | accuracy | tokens/s |"]
         lines += ["|---|---|---|---|"]
@@ -574,6 +612,7 @@ def main() -> None:
         "quantized_gemm": lambda: quant_checks(backend),
         "llada_8b_dual_cache_step": lambda: llada_8b_step(args.backend),
         "serving": lambda: serving_checks(args.backend),
+        "editing": lambda: editing_checks(args.backend),
         "cache_policies": lambda: cache_policy_checks(args.backend),
         "precision_schedule_step": lambda: schedule_step_cost(args.backend),
     }

@@ -62,6 +62,13 @@ class Backend(Platform):
         scheduler then decides on the host."""
         return None
 
+    def edit_kernel(self) -> Callable | None:
+        """A device-side step of the editing rule ``joint_threshold`` (``(conf, token, masked,
+        editable, x_block, *, threshold, edit_threshold)`` -> (commit, edit) masks, writing
+        ``x_block`` in place; semantics: ``backends/reference/backend.py`` ``commit_edit``), or
+        None: the rule then decides from the logits in torch."""
+        return None
+
     # ---------------------------------------------------------------- pass policy
     def passes(self) -> list:
         """This backend's pass pipeline: the shared default plus plugin-contributed passes.

@@ -111,6 +111,19 @@ def uses_confidence_head(params: SamplingParams, args: EngineArgs | None = None)
     )
 
 
+def edits_on_device(params: SamplingParams, args: EngineArgs | None = None) -> bool:
+    """Whether an editing request's steps can run on a backend's edit kernel: greedy,
+    unguided, joint_threshold without ``penalty_lambda`` (its decision needs each slot's argmax
+    and probability only: the confidence head), the head not turned off by the engine."""
+    return (
+        (args is None or args.confidence_head)
+        and params.strategy == "joint_threshold"
+        and params.temperature == 0
+        and params.cfg_scale == 0
+        and params.penalty_lambda == 0
+    )
+
+
 class Cohort:
     """Rows decoded in one frame, block by block: the decode state and its step.
 
@@ -173,15 +186,26 @@ class Cohort:
             self.commit = None
         elif self.device_rule == "threshold":
             self.commit = functools.partial(self.commit, threshold=params.threshold)
+        if self.editing and self.schedule is None and edits_on_device(params, args):
+            # greedy joint_threshold needs per slot only the argmax and its probability: the
+            # confidence head over the whole block, and the backend's edit kernel writes the
+            # commits and edits in place; the block end stays on the device (``block_final``)
+            kernel = model.backend.edit_kernel()
+            if kernel is not None:
+                self.use_confidence, self.device_rule = True, "joint"
+                self.commit = functools.partial(
+                    kernel, threshold=params.threshold, edit_threshold=params.edit_threshold
+                )
         dev = model.backend.device() if self.device_rule is not None else torch.device("cpu")
         self.x = torch.cat((ids, torch.full((b, g), self.mask_id, dtype=torch.long)), dim=1).to(dev)
         self.done = torch.zeros(b, dtype=torch.bool, device=dev)
         self.any_done = False  # some row finished (no sync needed to know)
         self.committed = torch.zeros(b, dtype=torch.long, device=dev)
-        self.edits = torch.zeros(b, dtype=torch.long)  # token-to-token rewrites per row (editing rules)
-        self.post_steps = torch.zeros(b, dtype=torch.long)  # forwards a row's block started with no mask
+        self.edits = torch.zeros(b, dtype=torch.long, device=dev)  # token-to-token rewrites per row (editing rules)
+        self.post_steps = torch.zeros(b, dtype=torch.long, device=dev)  # forwards a row's block started with no mask
         self.unreported = [0, 0]  # (edits, post steps) since the engine last read them
-        self.block_final = torch.zeros(b, dtype=torch.bool)  # editing: the row's current block is final
+        self._unread = torch.zeros(2, dtype=torch.long, device=dev)  # the same, not yet read on the host
+        self.block_final = torch.zeros(b, dtype=torch.bool, device=dev)  # editing: the row's current block is final
         self.commit_step = torch.full((b, g), -1, dtype=torch.long, device=dev)
         self._ones = torch.ones(b, dtype=torch.long, device=dev)  # the quota of the unscheduled rules
         self.stop: StopCheck | None = None
@@ -240,9 +264,10 @@ class Cohort:
         self.state: dict = {}
         self.step = 0
         if self.editing:  # the block's prompt slots are fixed now: what is not masked at its start
-            self.prompt_block = (self.x[:, self.s : self.e] != self.mask_id).cpu()
-            self.block_final = self.done.cpu().clone()
-            self.block_post = torch.zeros(self.b, dtype=torch.long)  # this block's no-mask steps per row
+            # (on the sequence's device: the device rule keeps the block end there, no host sync)
+            self.prompt_block = self.x[:, self.s : self.e] != self.mask_id
+            self.block_final = self.done.clone()
+            self.block_post = torch.zeros(self.b, dtype=torch.long, device=self.x.device)  # no-mask steps per row
 
     def _end_block(self) -> None:
         """The block is final: rows the stop check stops finish (the rest of them filled)."""
@@ -274,8 +299,10 @@ class Cohort:
                 self.started = True
                 self._start_block()
             is_mask = self.x[:, self.s : self.e] == self.mask_id
-            block_done = bool(self.block_final.all()) if self.editing else not bool(is_mask.any())
-            if self.step % self.sync_every == 0 and block_done:  # the host sync
+            # the host sync, every sync_every steps (read only then: on a device, a sync)
+            if self.step % self.sync_every == 0 and (
+                bool(self.block_final.all()) if self.editing else not bool(is_mask.any())
+            ):
                 self._end_block()
                 self.s += p.block_length
                 if self.s >= self.n or bool(self.done.all()):
@@ -535,7 +562,8 @@ class Cohort:
         (:func:`strategies.joint_threshold_block_end`). Rows whose block is final decide nothing.
         Returns the mask-to-token commit mask [B, L] (edits are counted in ``self.edits``)."""
         s, e, p = self.s, self.e, self.params
-        current = self.x[:, s:e].clone()
+        device = self.device_rule is not None  # the backend's edit kernel writes the block in place
+        current = self.x[:, s:e] if device else self.x[:, s:e].clone()
         masked = self.masked  # masked at the start of the step (the rows still running)
         live = ~self.block_final
         has_mask = masked.any(-1)
@@ -546,34 +574,49 @@ class Cohort:
         deciding = live & decide
         masked = masked & deciding[:, None]
         editable = ~masked & ~(current == self.mask_id) & ~self.prompt_block & deciding[:, None]
-        saved = (dict(self.state), self.gen.get_state()) if self.precision is not None else None
-        x0, write = self._edit_rule(out, masked, current, editable)
-        if self.precision is not None and (deciding & ~(masked & ~write).any(-1)).any():
-            # some row's block could end after this step: the full-precision model decides it
-            self.state.clear()
-            self.state.update(saved[0])
-            self.gen.set_state(saved[1])
-            self.window = self._plan(None)
-            x0, write = self._edit_rule(self.forward(self.window), masked, current, editable)
-        commit, edit = write & masked, write & editable
-        self.x[:, s:e] = torch.where(commit | edit, x0, current)
+        if device:
+            token, conf = out if isinstance(out, tuple) else self._head(out)
+            commit, edit = self.commit(conf, token, masked, editable, current)
+        else:
+            saved = (dict(self.state), self.gen.get_state()) if self.precision is not None else None
+            x0, write = self._edit_rule(out, masked, current, editable)
+            if self.precision is not None and (deciding & ~(masked & ~write).any(-1)).any():
+                # some row's block could end after this step: the full-precision model decides it
+                self.state.clear()
+                self.state.update(saved[0])
+                self.gen.set_state(saved[1])
+                self.window = self._plan(None)
+                x0, write = self._edit_rule(self.forward(self.window), masked, current, editable)
+            commit, edit = write & masked, write & editable
+            self.x[:, s:e] = torch.where(commit | edit, x0, current)
         _, ends = strategies.joint_threshold_block_end(has_mask, edit.any(-1), self.block_post, p.max_post_steps)
         self.block_final |= live & ends
         n_edits = edit.sum(-1)
         self.edits += n_edits
         self.post_steps += post.long()
-        self.unreported[0] += int(n_edits.sum())
-        self.unreported[1] += int(post.sum())
+        self._unread += torch.stack((n_edits.sum(), post.long().sum()))
+        if not device or (self.step + 1) % self.sync_every == 0:  # the device rule: read at the syncs
+            self.unreported[0] += int(self._unread[0])
+            self.unreported[1] += int(self._unread[1])
+            self._unread.zero_()
         self.committed += commit.sum(-1)
         if self.pending is not None:
-            self.pending += (commit | edit).sum(-1)
-        if self.params.cache == "delayed":
+            self.pending += (commit | edit).sum(-1).to(self.pending.device)
+        if self.params.cache == "delayed" and not device:
             self.last_commits = tuple(((commit | edit).any(0).nonzero().flatten() + self.block_start).tolist())
         lo = max(s, self.p_len)
         written = (commit | edit)[:, lo - s :]
         self.commit_step[:, lo - self.p_len : e - self.p_len].masked_fill_(written, self.last_forward)
         self.step += 1
         return commit
+
+    def _head(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The confidence head's (argmax, score) from block logits [B, L, V] on their device (a
+        caller that feeds logits to a device rule: ``validate``'s probes)."""
+        conf, token = ops.confidence(
+            logits if logits.dtype == torch.float64 else logits.float(), banned=self.mask_id, kind=self.score
+        )
+        return token.to(self.x.device), conf.to(self.x.device)
 
     def _edit_rule(self, out, masked, current, editable) -> tuple[torch.Tensor, torch.Tensor]:
         """The editing rule on the block's logits, on the logits' device; results on the host."""
@@ -606,7 +649,7 @@ class Cohort:
             return first.tolist()
         if not self.started:
             return [0] * self.b
-        ends = torch.where(self.block_final, self.e, self.s) - self.p_len
+        ends = torch.where(self.block_final.cpu(), self.e, self.s) - self.p_len
         return torch.minimum(ends.clamp(0, g), first).tolist()
 
 

@@ -117,6 +117,22 @@ class AscendBackend(Backend):
 
         return functools.partial(commit, **commit_launch(self.VECTOR_CORES))
 
+    def edit_kernel(self):
+        """The editing rule's step (joint_threshold, greedy): the shared Triton
+        ``commit_edit_kernel``, persistent over the vector cores, where a Triton that runs it
+        exists; else the reference's torch ``commit_edit`` on the device (no torch_npu op, no
+        host sync)."""
+        from dinfer_rt.backends.ascend.ops import triton_usable
+
+        if not triton_usable(flag(DINFER_INTERPRET)):
+            from dinfer_rt.backends.reference.backend import commit_edit
+
+            return commit_edit
+        from dinfer_rt.backends.ascend.launch import commit_launch
+        from dinfer_rt.backends.triton.ops import commit_edit
+
+        return functools.partial(commit_edit, **commit_launch(self.VECTOR_CORES))
+
     def _constraint_fallback(self, op: str, reason: str) -> None:
         self.constraint_fallbacks[op] = self.constraint_fallbacks.get(op, 0) + 1
         if op not in self._warned:

@@ -35,3 +35,35 @@ class ReferenceBackend(Backend):
 
     def kernels(self) -> Mapping[str, Kernel]:
         return {}  # every op from the shared references (kernel_table's fallback)
+
+
+def commit_edit(
+    conf: torch.Tensor,
+    token: torch.Tensor,
+    masked: torch.Tensor,
+    editable: torch.Tensor,
+    x_block: torch.Tensor,
+    *,
+    threshold: float,
+    edit_threshold: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The semantics of a backend's ``edit_kernel``: one step of the editing rule joint_threshold
+    (greedy, ``penalty_lambda`` 0) from the confidence head's top-1 probability ``conf`` and
+    argmax ``token`` [B, L] (mask token banned), in torch at ``conf``'s precision (float64 when
+    validating), on ``conf``'s device with no host sync:
+
+    - mask-to-token ``commit``: slots of ``masked`` with ``conf`` > ``threshold``; a row with a
+      masked slot and none above commits its best masked slot (ties: the lower index);
+    - token-to-token ``edit``: slots of ``editable`` (and not ``masked``) whose ``token`` differs
+      from the current one in ``x_block`` with ``conf`` > ``edit_threshold``.
+
+    Both write ``token`` into ``x_block`` (a [B, L] view of the sequence) in place; returns
+    (commit, edit) [B, L] bool."""
+    masked, editable = masked.bool(), editable.bool() & ~masked.bool()
+    token = token.to(x_block.dtype)
+    best = conf.masked_fill(~masked, float("-inf")).argmax(-1, keepdim=True)
+    forced = torch.zeros_like(masked).scatter_(-1, best, True)
+    commit = masked & ((conf > threshold) | forced)
+    edit = editable & (token != x_block) & (conf > edit_threshold)
+    x_block.copy_(torch.where(commit | edit, token, x_block))
+    return commit, edit

@@ -79,6 +79,15 @@ class TritonBackend(Backend):
 
         return commit
 
+    def edit_kernel(self) -> Callable | None:
+        """The shared Triton step of the editing rule (``commit_edit_kernel``), one program per
+        row; None without triton."""
+        if not triton_installed():
+            return None
+        from dinfer_rt.backends.triton.ops import commit_edit
+
+        return commit_edit
+
     def default_launch_config(self, kernel: str) -> dict:
         from dinfer_rt.backends.triton.launch import default_config
 

@@ -726,3 +726,63 @@ def commit_kernel(
             _commit_row(row, *ptrs, n_slots, x_stride, threshold, TOP_K, BLOCK_L)
     else:  # GPUs: one row per program, no loop (a runtime-bounded one spills SGPRs on HIP)
         _commit_row(tl.program_id(0), *ptrs, n_slots, x_stride, threshold, TOP_K, BLOCK_L)
+
+
+@triton.jit
+def _commit_edit_row(
+    row, conf, token, masked, editable, x, commit, edit, n_slots, x_stride, threshold, edit_threshold, BLOCK_L
+):
+    """One row's joint_threshold decisions (see ``commit_edit_kernel``)."""
+    conf, token, masked, editable = (
+        conf + row * n_slots,
+        token + row * n_slots,
+        masked + row * n_slots,
+        editable + row * n_slots,
+    )
+    commit, edit, x = commit + row * n_slots, edit + row * n_slots, x + row * x_stride
+    j = tl.arange(0, BLOCK_L)
+    inb = j < n_slots
+    is_masked = (tl.load(masked + j, mask=inb, other=0) != 0) & inb
+    can_edit = (tl.load(editable + j, mask=inb, other=0) != 0) & inb & ~is_masked
+    p = tl.load(conf + j, mask=inb, other=0.0)
+    t = tl.load(token + j, mask=inb, other=0)
+    cur = tl.load(x + j, mask=inb, other=0)
+    c = tl.where(is_masked, p, float("-inf"))
+    ahead = (c[None, :] > c[:, None]) | ((c[None, :] == c[:, None]) & (j[None, :] < j[:, None]))
+    rank = tl.sum((ahead & is_masked[None, :]).to(tl.int32), axis=1)
+    m2t = is_masked & ((p > threshold) | (rank == 0))
+    t2t = can_edit & (t != cur) & (p > edit_threshold)
+    tl.store(x + j, tl.where(m2t | t2t, t, cur), mask=inb)
+    tl.store(commit + j, m2t.to(tl.int8), mask=inb)
+    tl.store(edit + j, t2t.to(tl.int8), mask=inb)
+
+
+@triton.jit
+def commit_edit_kernel(
+    conf_ptr,
+    token_ptr,
+    masked_ptr,
+    editable_ptr,
+    x_ptr,
+    commit_ptr,
+    edit_ptr,
+    n_rows,
+    n_slots,
+    x_stride,
+    threshold,
+    edit_threshold,
+    BLOCK_L: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    """One step of the editing rule joint_threshold (greedy, no penalty) for the rows of a block,
+    on the device: mask-to-token commits at masked slots whose probability is > ``threshold``,
+    plus the row's best masked slot (rank 0: ties to the lower index) when none passes, and
+    token-to-token edits at ``editable`` slots whose argmax differs from the current token with
+    probability > ``edit_threshold``. Both write the argmax into ``x`` in place. PERSISTENT
+    (Ascend's vector cores): program p takes rows p, p + grid, ...; else one program per row."""
+    ptrs = (conf_ptr, token_ptr, masked_ptr, editable_ptr, x_ptr, commit_ptr, edit_ptr)
+    if PERSISTENT:
+        for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            _commit_edit_row(row, *ptrs, n_slots, x_stride, threshold, edit_threshold, BLOCK_L)
+    else:
+        _commit_edit_row(tl.program_id(0), *ptrs, n_slots, x_stride, threshold, edit_threshold, BLOCK_L)

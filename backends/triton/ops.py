@@ -75,6 +75,40 @@ def commit(conf, masked, quota, x0, x_block, *, rule: str, threshold: float = 0.
     return out.bool()
 
 
+def commit_edit(
+    conf, token, masked, editable, x_block, *, threshold: float, edit_threshold: float, programs=None, min_block=16
+):
+    """Device-side step of the editing rule joint_threshold (greedy, ``penalty_lambda`` 0) for
+    one block, through ``commit_edit_kernel``: from the confidence head's (``conf``, ``token``)
+    [B, L], the slots masked at the start of the step ``masked`` and the ``editable`` ones,
+    writes mask-to-token commits and token-to-token edits into ``x_block`` (a [B, L] view of the
+    sequence, unit stride in L) and returns the (commit, edit) masks; no host sync. Semantics:
+    ``dinfer_rt.backends.reference.backend.commit_edit``. ``programs`` / ``min_block`` as
+    :func:`commit`."""
+    b, n = conf.shape
+    if x_block.stride(-1) != 1:
+        raise ValueError(f"commit_edit: the block view must have unit stride in L, got {x_block.stride()}")
+    commit_out = torch.empty((b, n), dtype=torch.int8, device=conf.device)
+    edit_out = torch.empty((b, n), dtype=torch.int8, device=conf.device)
+    kern.commit_edit_kernel[(programs or b,)](
+        conf.float().contiguous(),
+        token.to(x_block.dtype).contiguous(),
+        masked.contiguous(),
+        editable.contiguous(),
+        x_block,
+        commit_out,
+        edit_out,
+        b,
+        n,
+        x_block.stride(0),
+        float(threshold),
+        float(edit_threshold),
+        BLOCK_L=max(min_block, triton.next_power_of_2(n)),
+        PERSISTENT=programs is not None,
+    )
+    return commit_out.bool(), edit_out.bool()
+
+
 def confidence(logits, *, banned, kind="max", launch: Callable[[int, int, int], dict]):
     """Logits -> (score, argmax) through ``confidence_kernel``; ``launch(vocab, elem_bytes, rows)``
     gives ``grid``, ``BLOCK_V`` and ``ROWS`` (the device's rules, e.g. Ascend's UB budget)."""

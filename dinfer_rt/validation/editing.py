@@ -1,7 +1,7 @@
 """``validate``'s checks of the editing rule (``joint_threshold``, LLaDA2.1) on a backend.
 
-The rule runs where the backend's logits live (torch on its device; no backend has an editing
-commit kernel yet), inside the one decode state machine (``decode.Cohort``). Two checks, each
+The rule runs inside the one decode state machine (``decode.Cohort``): through the backend's
+edit kernel where it has one (cuda, rocm_dcu, ascend), else in torch where its logits live. Two checks, each
 against an oracle written here independently of ``strategies`` / ``decode`` (float64, one row
 and one slot at a time, the reference algorithm as SGLang's JointThreshold and the LLaDA2.1
 report state it):
