@@ -187,6 +187,11 @@ def parse(
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_type_name(body)}")
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    other = ("messages", "chat_template_kwargs") if not chat else ("prompt",)
+    for name in other:  # a field of the other endpoint would be ignored: refused instead
+        if name in body:
+            where = "/v1/chat/completions" if not chat else "/v1/completions"
+            raise ApiError(400, f"'{name}' belongs to {where}, not this endpoint", name)
     for name in ENGINE_FIELDS:  # how the engine runs is the server's choice, not a request's
         if name in body:
             flag = "--" + name.replace("_", "-")

@@ -77,7 +77,8 @@ def test_generate_and_eval_commands_on_the_embedded_model(capsys):
     assert task.check(item.letters, capsys.readouterr().out.strip().splitlines()[0])
     assert main(["eval", "--limit", "5", "--json", "--strategy", "threshold"]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert set(r) == {"accuracy", "nfe", "tpf", "tokens_per_s", "wall_s", "n", "forwards_by_precision"} and r["n"] == 5
+    fields = {"accuracy", "nfe", "tpf", "tokens_per_s", "wall_s", "n", "forwards_by_precision"}
+    assert set(r) == fields | {"edits", "post_steps", "edits_per_forward"} and r["n"] == 5
     assert r["forwards_by_precision"] == {"full": r["nfe"]}  # no precision schedule: every forward full
     assert r["tpf"] > 1.0  # the threshold rule commits several tokens per forward
 

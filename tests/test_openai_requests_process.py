@@ -101,7 +101,7 @@ def test_the_split_server_answers_as_offline_and_sigterm_drains_both_processes(o
 
 def test_a_dead_engine_makes_the_front_answer_503_naming_it_and_exit_nonzero():
     """One row at a time: of four slow requests, the engine is killed while the first runs, so
-    at least three are still on it (running or queued there); each of those is a 503 naming it."""
+    three are on it (running or queued there) when it dies; those not finished are 503s naming it."""
     s = _start("--max-num-seqs", "1")
     try:
         engine = _engine_pid(s)
@@ -119,14 +119,15 @@ def test_a_dead_engine_makes_the_front_answer_503_naming_it_and_exit_nonzero():
         deadline = time.time() + 30  # kill the engine once one request runs there and three wait
         while time.time() < deadline:
             health = httpx.get(s.url + "/health").json()
-            if health["running"] == 1 and health["waiting"] == 3:
+            if health["running"] + health["waiting"] >= 3:  # a loaded machine may miss the exact 1 + 3
                 break
             time.sleep(0.01)
         os.kill(engine, signal.SIGKILL)
         for ask in asks:
             ask.join(timeout=60)
         refused = [r for r in answers if r.status_code != 200]
-        assert len(answers) == 4 and len(refused) >= 3, [r.status_code for r in answers]
+        # three were on the engine at the last look; one may finish between that look and the kill
+        assert len(answers) == 4 and len(refused) >= 2, [r.status_code for r in answers]
         for r in refused:
             assert r.status_code == 503, r.text
             assert "the engine is unavailable: replica 0 died (exit code -9)" in r.json()["error"]["message"]
