@@ -75,32 +75,35 @@ def offline(prompts: list[str], batch: int) -> dict:
     }
 
 
-def _one(url: str, letters: str, record: dict) -> None:
-    body = {
-        "messages": [{"role": "user", "content": letters}],
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **KNOBS,
-    }
+def _stream_chat(url: str, body: dict, record: dict, timeout: float) -> None:
+    """One streamed chat request into ``record``: its text, time to the first final text
+    (``ttft``), ``usage``, start and end times (``error`` on a refused request)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     record.update(start=t0, text="", ttft=None)
-    with httpx.Client(timeout=120) as client, client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+    with httpx.Client(timeout=timeout) as client, client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
-            record["error"] = r.status_code
+            record["error"] = f"{r.status_code}: {r.read()[:200]!r}"
             return
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
             ev = json.loads(line[6:])
             if ev.get("usage"):
-                record["tokens"] = ev["usage"]["completion_tokens"]
+                record["usage"] = ev["usage"]
             for ch in ev["choices"]:
                 piece = ch["delta"].get("content") or ""
                 if piece and record["ttft"] is None:
                     record["ttft"] = time.perf_counter() - t0
                 record["text"] += piece
-    record["latency"] = time.perf_counter() - t0
     record["end"] = time.perf_counter()
+    record["latency"] = record["end"] - t0
+
+
+def _one(url: str, letters: str, record: dict) -> None:
+    _stream_chat(url, {"messages": [{"role": "user", "content": letters}], **KNOBS}, record, timeout=120)
+    if "usage" in record:
+        record["tokens"] = record["usage"]["completion_tokens"]
 
 
 def load(url: str, items: list, rate: float, seed: int, deadline_s: float) -> dict:
@@ -158,25 +161,7 @@ def _bench_checkpoint(folder: Path) -> Path:
 
 def _ask(url: str, messages: list[dict], record: dict) -> None:
     """One streamed chat request: its text, time to the first final text, usage."""
-    body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    record.update(start=t0, text="", ttft=None)
-    with httpx.Client(timeout=300) as client, client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            record["error"] = f"{r.status_code}: {r.read()[:200]!r}"
-            return
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            ev = json.loads(line[6:])
-            if ev.get("usage"):
-                record["usage"] = ev["usage"]
-            for ch in ev["choices"]:
-                piece = ch["delta"].get("content") or ""
-                if piece and record["ttft"] is None:
-                    record["ttft"] = time.perf_counter() - t0
-                record["text"] += piece
-    record["end"] = time.perf_counter()
+    _stream_chat(url, {"messages": messages}, record, timeout=300)
 
 
 def _shared_prompt_run(folder: Path, bodies: list[list[dict]], rate: float, a, cache_flags: list[str]) -> dict:
