@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -82,6 +84,22 @@ def save(
     return path
 
 
+def _sizes(given: dict[str, Any], *groups: dict[str, Any]) -> SimpleNamespace:
+    """A writer's sizes: its defaults (``groups``, over vocab 61 and one shard) updated by the
+    caller's keywords. The writers share these names, so each states one row of defaults instead
+    of a long signature; an unknown name is still a TypeError."""
+    defaults: dict[str, Any] = {"vocab": 61, "shards": 1}
+    for group in groups:
+        defaults |= group
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)} (sizes: {', '.join(defaults)})")
+    return SimpleNamespace(**(defaults | given))
+
+
+_LLADA_AUTO_MAP = {"AutoConfig": "configuration_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM"}
+
+
 def llada(
     path: Path,
     *,
@@ -95,8 +113,10 @@ def llada(
     shards: int = 1,
     dtype: torch.dtype = torch.float32,
     max_len: int = 256,
+    config: dict[str, Any] | None = None,
 ) -> Path:
-    """LLaDA-8B layout (``model.transformer.*``; ``ff_out`` both MLP down and LM head)."""
+    """LLaDA-8B layout (``model.transformer.*``; ``ff_out`` both MLP down and LM head). ``config``
+    replaces config.json fields (None drops one; ``weight_tying: true`` drops the top-level ``ff_out``)."""
     g = torch.Generator().manual_seed(seed)
     kv = kv_heads or heads
     cfg = llada_config(
@@ -110,20 +130,13 @@ def llada(
         max_len=max_len,
         mask_id=MASK,
         eos_id=EOS,
-        auto_map={"AutoConfig": "configuration_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM"},
+        **{"auto_map": _LLADA_AUTO_MAP, **(config or {})},
     )
+    cfg = {k: v for k, v in cfg.items() if v is not None}
     p = "model.transformer."
-    t = {
-        p + "wte.weight": _rand(g, vocab, d, scale=1.0),
-        p + "ln_f.weight": _norm(g, d),
-        p + "ff_out.weight": _rand(g, vocab, d),
-    }
-    _llada_blocks(g, t, p, layers, d, heads, kv, mlp)
-    return save(path, cfg, t, shards, dtype)
-
-
-def _llada_blocks(g, t: dict, p: str, layers: int, d: int, heads: int, kv: int, mlp: int) -> None:
-    """LLaDA-8B's decoder blocks (``{p}blocks.{i}.*``), added to ``t``."""
+    t = {p + "wte.weight": _rand(g, vocab, d, scale=1.0), p + "ln_f.weight": _norm(g, d)}
+    if not cfg["weight_tying"]:
+        t[p + "ff_out.weight"] = _rand(g, vocab, d)
     hd = d // heads
     for i in range(layers):
         b = f"{p}blocks.{i}."
@@ -138,45 +151,22 @@ def _llada_blocks(g, t: dict, p: str, layers: int, d: int, heads: int, kv: int, 
             b + "up_proj.weight": _rand(g, mlp, d),
             b + "ff_out.weight": _rand(g, d, mlp),
         }
+    return save(path, cfg, t, shards, dtype)
 
 
-def illada(
-    path: Path,
-    *,
-    d: int = 64,
-    layers: int = 2,
-    heads: int = 8,
-    kv_heads: int = 2,
-    mlp: int = 96,
-    vocab: int = 61,
-    seed: int = 11,
-    shards: int = 1,
-) -> Path:
+def illada(path: Path, **kwargs: Any) -> Path:
     """iLLaDA-8B's shape in miniature: the LLaDA layout with grouped KV heads (4:1 here, as 32:8),
     a tied head (no top-level ``ff_out``) and no ``mask_token_id`` (the family default 5 is the
     tokenizer's mask here). Its real config keys are unpublished: this one names the model in
     ``architectures`` / ``model_type`` and otherwise uses LLaDA-8B's keys."""
-    g = torch.Generator().manual_seed(seed)
-    cfg = llada_config(
-        d_model=d,
-        n_layers=layers,
-        n_heads=heads,
-        n_kv_heads=kv_heads,
-        mlp=mlp,
-        vocab=vocab,
-        rope_theta=500000.0,
-        max_len=256,
-        mask_id=MASK,
-        eos_id=EOS,
-        architectures=["iLLaDAModelLM"],
-        model_type="illada",
-        weight_tying=True,
-    )
-    del cfg["mask_token_id"]
-    p = "model.transformer."
-    t = {p + "wte.weight": _rand(g, vocab, d, scale=1.0), p + "ln_f.weight": _norm(g, d)}
-    _llada_blocks(g, t, p, layers, d, heads, kv_heads, mlp)
-    return save(path, cfg, t, shards)
+    config = {
+        "architectures": ["iLLaDAModelLM"],
+        "model_type": "illada",
+        "weight_tying": True,
+        "auto_map": None,
+        "mask_token_id": None,
+    }
+    return llada(path, **{"d": 64, "heads": 8, "kv_heads": 2, "mlp": 96, "seed": 11, "config": config, **kwargs})
 
 
 def _attn_qwen(g, t, b, d, heads, kv, hd, bias):
@@ -203,67 +193,22 @@ def _mlp(g, t, m, d, inter):
     }
 
 
-def dream(
-    path: Path,
-    *,
-    d: int = 56,
-    layers: int = 2,
-    heads: int = 7,
-    kv_heads: int = 1,
-    mlp: int = 72,
-    vocab: int = 61,
-    seed: int = 1,
-    shards: int = 1,
-    tie: bool = False,
-) -> Path:
-    """Dream layout: Qwen2 names, q/k/v biases, GQA, shifted logits."""
-    g = torch.Generator().manual_seed(seed)
-    hd = d // heads
-    cfg = {
-        "architectures": ["DreamModel"],
-        "model_type": "Dream",
-        "hidden_size": d,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "intermediate_size": mlp,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 512,
-        "vocab_size": vocab,
-        "tie_word_embeddings": tie,
-        "mask_token_id": MASK,
-        "eos_token_id": EOS,
-        "pad_token_id": EOS,
-        "bos_token_id": 2,
-    }
-    t = {"model.embed_tokens.weight": _rand(g, vocab, d, scale=1.0), "model.norm.weight": _norm(g, d)}
-    if not tie:
-        t["lm_head.weight"] = _rand(g, vocab, d)
-    for i in range(layers):
-        b = f"model.layers.{i}."
-        t |= {b + "input_layernorm.weight": _norm(g, d), b + "post_attention_layernorm.weight": _norm(g, d)}
-        _attn_qwen(g, t, b, d, heads, kv_heads, hd, bias=True)
-        _mlp(g, t, b + "mlp.", d, mlp)
-    return save(path, cfg, t, shards)
-
-
-def _hf_config(arch: str, model_type: str, d, layers, heads, kv_heads, head_dim, vocab, theta, **fields) -> dict:
-    """The config.json keys LLaDA-MoE and LLaDA2 share (HF names), then the family's own."""
+def _hf_config(s: SimpleNamespace, arch: str, model_type: str, theta: float, **fields) -> dict:
+    """The config.json keys Dream, LLaDA-MoE and LLaDA2 share (HF names), from the writer's sizes
+    (no ``kv_heads``: as many as heads; no ``head_dim``: no key, hidden / heads), then the family's own."""
     return {
         "architectures": [arch],
         "model_type": model_type,
-        "hidden_size": d,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
+        "hidden_size": s.d,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": getattr(s, "kv_heads", s.heads),
+        **({"head_dim": s.head_dim} if hasattr(s, "head_dim") else {}),
         "hidden_act": "silu",
         "rope_theta": theta,
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 512,
-        "vocab_size": vocab,
+        "vocab_size": s.vocab,
         "tie_word_embeddings": False,
         "mask_token_id": MASK,
         "eos_token_id": EOS,
@@ -272,12 +217,12 @@ def _hf_config(arch: str, model_type: str, d, layers, heads, kv_heads, head_dim,
     }
 
 
-def _moe_tensors(g, embed: str, d: int, vocab: int) -> dict:
-    return {
-        embed: _rand(g, vocab, d, scale=1.0),
-        "model.norm.weight": _norm(g, d),
-        "lm_head.weight": _rand(g, vocab, d),
-    }
+def _hf_tensors(g, embed: str, d: int, vocab: int, tie: bool = False) -> dict:
+    """Embedding, final norm and (untied) LM head under the HF names."""
+    t = {embed: _rand(g, vocab, d, scale=1.0), "model.norm.weight": _norm(g, d)}
+    if not tie:
+        t["lm_head.weight"] = _rand(g, vocab, d)
+    return t
 
 
 def _layer_norms(g, t, b, d) -> None:
@@ -293,39 +238,36 @@ def _experts(g, t, m, d, experts, inter) -> None:
         _mlp(g, t, f"{m}experts.{e}.", d, inter)
 
 
-def llada_moe(
-    path: Path,
-    *,
-    d: int = 48,
-    layers: int = 2,
-    heads: int = 3,
-    head_dim: int = 16,
-    experts: int = 6,
-    top_k: int = 2,
-    inter: int = 24,
-    vocab: int = 61,
-    seed: int = 2,
-    shards: int = 1,
-) -> Path:
+def dream(path: Path, **sizes: Any) -> Path:
+    """Dream layout: Qwen2 names, q/k/v biases, GQA, shifted logits. Sizes and defaults below."""
+    s = _sizes(sizes, dict(d=56, layers=2, heads=7, kv_heads=1, mlp=72, seed=1, tie=False))
+    g = torch.Generator().manual_seed(s.seed)
+    cfg = _hf_config(s, "DreamModel", "Dream", 1e6, intermediate_size=s.mlp, tie_word_embeddings=s.tie, bos_token_id=2)
+    t = _hf_tensors(g, "model.embed_tokens.weight", s.d, s.vocab, s.tie)
+    for i in range(s.layers):
+        b = f"model.layers.{i}."
+        _layer_norms(g, t, b, s.d)
+        _attn_qwen(g, t, b, s.d, s.heads, s.kv_heads, s.d // s.heads, bias=True)
+        _mlp(g, t, b + "mlp.", s.d, s.mlp)
+    return save(path, cfg, t, s.shards)
+
+
+def llada_moe(path: Path, **sizes: Any) -> Path:
     """LLaDA-MoE-7B-A1B layout: per-head QK-norm, softmax top-k router without renormalisation;
-    config keys as LLaDAMoEConfig writes them."""
-    g = torch.Generator().manual_seed(seed)
+    config keys as LLaDAMoEConfig writes them. Sizes and defaults below."""
+    s = _sizes(sizes, dict(d=48, layers=2, heads=3, head_dim=16, experts=6, top_k=2, inter=24, seed=2))
+    g = torch.Generator().manual_seed(s.seed)
     cfg = _hf_config(
+        s,
         "LLaDAMoEModelLM",
         "llada",
-        d,
-        layers,
-        heads,
-        heads,
-        head_dim,
-        vocab,
         50000.0,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        expert_intermediate_size=inter,
+        num_experts=s.experts,
+        num_experts_per_tok=s.top_k,
+        expert_intermediate_size=s.inter,
         dense_intermediate_size=64,
         shared_expert_intermediate_size=None,  # LLaDAMoEConfig's default, written as null
-        moe_layer_freq=[1] * layers,  # a list per layer, as the config class stores it
+        moe_layer_freq=[1] * s.layers,  # a list per layer, as the config class stores it
         moe_router_score_function="softmax",
         moe_router_enable_expert_bias=False,
         routed_scaling_factor=1,
@@ -336,153 +278,123 @@ def llada_moe(
         partial_rotary_factor=1.0,
         router_aux_loss_coef=0.01,
     )
-    t = _moe_tensors(g, "model.embed_tokens.weight", d, vocab)
-    for i in range(layers):
+    t = _hf_tensors(g, "model.embed_tokens.weight", s.d, s.vocab)
+    for i in range(s.layers):
         b = f"model.layers.{i}."
-        _layer_norms(g, t, b, d)
-        _qk_norms(g, t, b, head_dim, "self_attn.q_norm.weight", "self_attn.k_norm.weight")
-        t[b + "mlp.gate.weight"] = _rand(g, experts, d)
-        _attn_qwen(g, t, b, d, heads, heads, head_dim, bias=False)
-        _experts(g, t, b + "mlp.", d, experts, inter)
-    return save(path, cfg, t, shards)
+        _layer_norms(g, t, b, s.d)
+        _qk_norms(g, t, b, s.head_dim, "self_attn.q_norm.weight", "self_attn.k_norm.weight")
+        t[b + "mlp.gate.weight"] = _rand(g, s.experts, s.d)
+        _attn_qwen(g, t, b, s.d, s.heads, s.heads, s.head_dim, bias=False)
+        _experts(g, t, b + "mlp.", s.d, s.experts, s.inter)
+    return save(path, cfg, t, s.shards)
 
 
-def llada2(
-    path: Path,
-    *,
-    d: int = 64,
-    layers: int = 3,
-    heads: int = 4,
-    kv_heads: int = 2,
-    head_dim: int = 16,
-    experts: int = 8,
-    top_k: int = 3,
-    n_group: int = 4,
-    topk_group: int = 2,
-    inter: int = 24,
-    dense_inter: int = 40,
-    shared: int = 1,
-    vocab: int = 61,
-    seed: int = 3,
-    shards: int = 1,
-    partial: float = 0.5,
-) -> Path:
+def llada2(path: Path, **sizes: Any) -> Path:
     """LLaDA2.0 (BailingMoeV2) layout: fused query_key_value, partial RoPE, group-limited sigmoid
-    router; config keys as LLaDA2MoeConfig writes them (``use_bias: false`` included)."""
-    g = torch.Generator().manual_seed(seed)
+    router; config keys as LLaDA2MoeConfig writes them (``use_bias: false`` included). Sizes and
+    defaults below: the attention's, then the experts' (``shared``: shared experts)."""
+    s = _sizes(
+        sizes,
+        dict(d=64, layers=3, heads=4, kv_heads=2, head_dim=16, partial=0.5, seed=3),
+        dict(experts=8, top_k=3, n_group=4, topk_group=2, inter=24, dense_inter=40, shared=1),
+    )
+    g = torch.Generator().manual_seed(s.seed)
     cfg = _hf_config(
+        s,
         "LLaDA2MoeModelLM",
         "llada2_moe",
-        d,
-        layers,
-        heads,
-        kv_heads,
-        head_dim,
-        vocab,
         600000.0,
         use_qkv_bias=False,
         use_qk_norm=True,
         use_bias=False,
         norm_head=False,
-        partial_rotary_factor=partial,
+        partial_rotary_factor=s.partial,
         first_k_dense_replace=1,
-        intermediate_size=dense_inter,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=inter,
-        num_shared_experts=shared,
+        intermediate_size=s.dense_inter,
+        num_experts=s.experts,
+        num_experts_per_tok=s.top_k,
+        moe_intermediate_size=s.inter,
+        num_shared_experts=s.shared,
         score_function="sigmoid",
         moe_router_enable_expert_bias=True,
-        n_group=n_group,
-        topk_group=topk_group,
+        n_group=s.n_group,
+        topk_group=s.topk_group,
         norm_topk_prob=True,
         routed_scaling_factor=2.5,
     )
-    t = _moe_tensors(g, "model.word_embeddings.weight", d, vocab)
-    for i in range(layers):
+    d, hd = s.d, s.head_dim
+    t = _hf_tensors(g, "model.word_embeddings.weight", d, s.vocab)
+    for i in range(s.layers):
         b = f"model.layers.{i}."
         _layer_norms(g, t, b, d)
-        t[b + "attention.query_key_value.weight"] = _rand(g, (heads + 2 * kv_heads) * head_dim, d)
-        _qk_norms(g, t, b, head_dim, "attention.query_layernorm.weight", "attention.key_layernorm.weight")
-        t[b + "attention.dense.weight"] = _rand(g, d, heads * head_dim)
+        t[b + "attention.query_key_value.weight"] = _rand(g, (s.heads + 2 * s.kv_heads) * hd, d)
+        _qk_norms(g, t, b, hd, "attention.query_layernorm.weight", "attention.key_layernorm.weight")
+        t[b + "attention.dense.weight"] = _rand(g, d, s.heads * hd)
         if i == 0:
-            _mlp(g, t, b + "mlp.", d, dense_inter)
+            _mlp(g, t, b + "mlp.", d, s.dense_inter)
             continue
-        t[b + "mlp.gate.weight"] = _rand(g, experts, d)
-        t[b + "mlp.gate.expert_bias"] = 0.1 * torch.randn(experts, generator=g)
-        _experts(g, t, b + "mlp.", d, experts, inter)
-        if shared:
-            _mlp(g, t, b + "mlp.shared_experts.", d, inter * shared)
-    return save(path, cfg, t, shards)
+        t[b + "mlp.gate.weight"] = _rand(g, s.experts, d)
+        t[b + "mlp.gate.expert_bias"] = 0.1 * torch.randn(s.experts, generator=g)
+        _experts(g, t, b + "mlp.", d, s.experts, s.inter)
+        if s.shared:
+            _mlp(g, t, b + "mlp.shared_experts.", d, s.inter * s.shared)
+    return save(path, cfg, t, s.shards)
 
 
-def sdar(
-    path: Path,
-    *,
-    d: int = 48,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    head_dim: int = 16,
-    mlp: int = 72,
-    experts: int = 0,
-    top_k: int = 2,
-    inter: int = 24,
-    norm_topk_prob: bool = True,
-    vocab: int = 61,
-    seed: int = 9,
-    shards: int = 1,
-    tie: bool = False,
-    block_size: int = 4,
-) -> Path:
+def sdar(path: Path, **sizes: Any) -> Path:
     """SDAR layout (Qwen3 tensor names: ``self_attn.{q,k,v,o}_proj``, per-head
     ``self_attn.{q,k}_norm``, ``mlp.*``); ``experts`` > 0 writes the SDARMoe variant (Qwen3-MoE
     names: ``mlp.gate``, ``mlp.experts.{e}.*``). head_dim is set apart from hidden / heads, as
-    Qwen3 allows. Config keys as the authors' config.json writes them (``config_writers.sdar_config``)."""
-    g = torch.Generator().manual_seed(seed)
+    Qwen3 allows. Config keys as the authors' config.json writes them (``config_writers.sdar_config``).
+    Sizes and defaults below: the dense model's, then the experts'."""
+    s = _sizes(
+        sizes,
+        dict(d=48, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=72, seed=9, tie=False, block_size=4),
+        dict(experts=0, top_k=2, inter=24, norm_topk_prob=True),
+    )
+    g = torch.Generator().manual_seed(s.seed)
     moe = None
-    if experts:
+    if s.experts:
         moe = {
-            "num_experts": experts,
-            "num_experts_per_tok": top_k,
-            "moe_intermediate_size": inter,
-            "norm_topk_prob": norm_topk_prob,
+            "num_experts": s.experts,
+            "num_experts_per_tok": s.top_k,
+            "moe_intermediate_size": s.inter,
+            "norm_topk_prob": s.norm_topk_prob,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
             "output_router_logits": False,
             "router_aux_loss_coef": 0.001,
         }
+    d, hd = s.d, s.head_dim
     cfg = sdar_config(
         hidden=d,
-        layers=layers,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate=mlp,
-        vocab=vocab,
+        layers=s.layers,
+        heads=s.heads,
+        kv_heads=s.kv_heads,
+        head_dim=hd,
+        intermediate=s.mlp,
+        vocab=s.vocab,
         rope_theta=1000000.0,
         max_len=512,
         mask_id=MASK,
         eos_id=EOS,
         bos_id=2,  # the test tokenizer's <|startoftext|>
-        block_size=block_size,
-        tie=tie,
+        block_size=s.block_size,
+        tie=s.tie,
         moe=moe,
     )
-    t = {"model.embed_tokens.weight": _rand(g, vocab, d, scale=1.0), "model.norm.weight": _norm(g, d)}
-    if not tie:
-        t["lm_head.weight"] = _rand(g, vocab, d)
-    for i in range(layers):
+    t = _hf_tensors(g, "model.embed_tokens.weight", d, s.vocab, s.tie)
+    for i in range(s.layers):
         b = f"model.layers.{i}."
         _layer_norms(g, t, b, d)
-        _attn_qwen(g, t, b, d, heads, kv_heads, head_dim, bias=False)
-        _qk_norms(g, t, b, head_dim, "self_attn.q_norm.weight", "self_attn.k_norm.weight")
-        if experts:
-            t[b + "mlp.gate.weight"] = _rand(g, experts, d)
-            _experts(g, t, b + "mlp.", d, experts, inter)
+        _attn_qwen(g, t, b, d, s.heads, s.kv_heads, hd, bias=False)
+        _qk_norms(g, t, b, hd, "self_attn.q_norm.weight", "self_attn.k_norm.weight")
+        if s.experts:
+            t[b + "mlp.gate.weight"] = _rand(g, s.experts, d)
+            _experts(g, t, b + "mlp.", d, s.experts, s.inter)
         else:
-            _mlp(g, t, b + "mlp.", d, mlp)
-    return save(path, cfg, t, shards)
+            _mlp(g, t, b + "mlp.", d, s.mlp)
+    return save(path, cfg, t, s.shards)
 
 
 def sdar_moe(path: Path, **kwargs) -> Path:
