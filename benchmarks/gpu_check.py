@@ -7,8 +7,10 @@ Writes gpu_check / dcu_check / ascend_check .json and .md to --out.
 
 Status: run on one H200 in session 16 (results: benchmarks/results/h200/). Each section runs even
 when another fails (its traceback goes into the JSON), and the JSON is rewritten after each one.
-Not yet re-run after that session's last changes: the kernels-only profile filter and the
-batch-1 cache policies with graphs.
+Not yet re-run after that session's last changes: the kernels-only profile filter, the
+batch-1 cache policies with graphs, and the engine with graphs per batch-size bucket
+(``engine_graph_buckets``; run on the CPU with a stand-in graph API by
+``tests/test_graph_buckets.py``). ``--sections a,b`` runs only those sections.
 """
 
 from __future__ import annotations
@@ -386,6 +388,87 @@ def serving_checks(backend_name: str) -> dict:
     }
 
 
+def engine_graph_buckets(
+    backend_name: str, model=None, sizes=(1, 3, 5, 16), limit: int = 64, max_num_seqs: int = 16
+) -> dict:
+    """The engine's lockstep path with device graphs per batch-size bucket (``DINFER_GRAPHS=1``,
+    issue #41 point 1): the buckets warmed up (``Engine.capture_graphs``: its time and
+    captures), static batches of ``sizes`` rows (tokens against the same engine eager, then
+    captures per bucket: a size sharing a bucket adds none), and a burst of ``limit`` embedded-task
+    requests (``max_num_seqs`` rows) graphed against eager: tokens/s and equal outputs. ``model``: a model
+    whose backend already replays graphs (the CPU test passes one with a stand-in API)."""
+    import os
+
+    import dinfer_rt
+    from dinfer_rt import envs
+    from dinfer_rt.demo import task
+    from dinfer_rt.engine import Engine
+    from dinfer_rt.sampling import SamplingParams
+
+    if model is None:
+        os.environ[envs.DINFER_GRAPHS] = "1"  # read when the model is loaded and each executable compiled
+        try:
+            model = dinfer_rt.LLM(backend=backend_name).model
+        finally:
+            os.environ.pop(envs.DINFER_GRAPHS)
+    llm = dinfer_rt.LLM(model)
+    prompts = [llm.encode(it.letters, True) for it in task.heldout(max(limit, max(sizes)))]
+    params = SamplingParams(strategy="threshold", block_length=8)
+    graphed = Engine(model, max_num_seqs=max_num_seqs)
+    eager = Engine(model, max_num_seqs=max_num_seqs, graphs=False)
+    t0 = time.perf_counter()
+    warm = graphed.capture_graphs(params, prompt_len=len(prompts[0]))
+    warm_s = time.perf_counter() - t0
+
+    def run(engine: Engine, ids: list[list[int]], batch: bool) -> tuple[list, float]:
+        sync()
+        t0 = time.perf_counter()
+        reqs = engine.submit_batch(ids, params) if batch else [engine.submit(p, params) for p in ids]
+        engine.run_until_idle()
+        sync()
+        return [r.output_ids for r in reqs], time.perf_counter() - t0
+
+    rows = []
+    for size in sizes:
+        before = graphed.graph_stats()["captures"]
+        got, wall = run(graphed, prompts[:size], True)
+        want, eager_wall = run(eager, prompts[:size], True)
+        rows.append(
+            {
+                "rows": size,
+                "bucket": graphed._bucket_of.get(size, "eager"),
+                "equal": f"{sum(a == b for a, b in zip(got, want))}/{size}",
+                "new_captures": graphed.graph_stats()["captures"] - before,
+                "graphed_s": wall,
+                "eager_s": eager_wall,
+            }
+        )
+    run(graphed, prompts[:max_num_seqs], False)  # warm both at the burst's shapes
+    run(eager, prompts[:max_num_seqs], False)
+    got, graphed_s = run(graphed, prompts[:limit], False)
+    want, eager_s = run(eager, prompts[:limit], False)
+    tokens = sum(len(o) for o in want)
+    stats = graphed.graph_stats()
+    return {
+        "buckets": list(graphed.graph_buckets),
+        "warmup_s": warm_s,
+        "warmup_captures_by_rows": warm["captures_by_rows"],
+        "static_batches": rows,
+        "burst_equal_outputs": f"{sum(a == b for a, b in zip(got, want))}/{len(want)}",
+        "burst_graphed_tokens_per_s": tokens / graphed_s,
+        "burst_eager_tokens_per_s": tokens / eager_s,
+        "captures_by_rows": stats["captures_by_rows"],
+        "captures": stats["captures"],
+        "replays": stats["replays"],
+        "eager_calls": stats["eager_calls"],
+        "evictions": stats["evictions"],
+        "graph_bytes": stats["graph_bytes"],
+        "graph_forwards": stats["graph_forwards"],
+        "eager_forwards": stats["eager_forwards"],
+        "padded_rows": stats["padded_rows"],
+    }
+
+
 def editing_checks(backend_name: str) -> dict:
     """LLaDA2.1's token-to-token editing rule (``joint_threshold``, issue #39) on the device:
     tokens against the cpu backend's, tokens/s, edits per forward (embedded model, 64 held-out
@@ -504,15 +587,16 @@ def render(result: dict) -> list[str]:
     for key in result.get("section_s", {}):
         if failed(result.get(key)):
             lines += [f"**{key} failed**: `{failed(result[key])}`", ""]
-    if not failed(result.get("ceilings")):
+    if result.get("ceilings") and not failed(result["ceilings"]):
         c = result["ceilings"]
         lines += [
             f"ceilings: copy bandwidth {c['copy_gb_s']:.0f} GB/s, bf16 matmul {c['matmul_tflops']:.0f} TFLOP/s",
             "",
         ]
     if isinstance(result.get("kernels"), list):
-        copy_gbs = result["ceilings"]["copy_gb_s"] if not failed(result.get("ceilings")) else float("nan")
-        tflops = result["ceilings"]["matmul_tflops"] if not failed(result.get("ceilings")) else float("nan")
+        ceilings = result.get("ceilings") if not failed(result.get("ceilings")) else None
+        copy_gbs = ceilings["copy_gb_s"] if ceilings else float("nan")
+        tflops = ceilings["matmul_tflops"] if ceilings else float("nan")
         lines += [
             "| kernel | dtype | max rel err | passed | ms | eager ms | GB/s | % of copy | TFLOP/s | % of matmul |",
             "|---|---|---|---|---|---|---|---|---|---|",
@@ -548,6 +632,25 @@ def render(result: dict) -> list[str]:
             f"(passed {v['per_row_passed']}); engine {v['engine_tokens_per_s']:.0f} tok/s vs offline batched "
             f"{v['offline_tokens_per_s']:.0f} tok/s, outputs equal {v['engine_equal_outputs']}"
         )
+    gb = result.get("engine_graph_buckets")
+    if gb and not failed(gb):
+        lines += [
+            "",
+            f"engine with device graphs per batch-size bucket {gb['buckets']}: warm-up {gb['warmup_s']:.1f} s "
+            f"(captures per rows {gb['warmup_captures_by_rows']}); burst of requests graphed "
+            f"{gb['burst_graphed_tokens_per_s']:.0f} tok/s vs eager {gb['burst_eager_tokens_per_s']:.0f} tok/s, "
+            f"outputs equal {gb['burst_equal_outputs']}; captures {gb['captures']} per rows {gb['captures_by_rows']}, "
+            f"replays {gb['replays']}, eager calls {gb['eager_calls']}, evictions {gb['evictions']}, "
+            f"graph memory {gb['graph_bytes'] / 2**20:.0f} MiB, padded rows {gb['padded_rows']}",
+            "",
+            "| static batch rows | bucket | equal to eager | new captures | graphed s | eager s |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['rows']} | {r['bucket']} | {r['equal']} | {r['new_captures']} | {r['graphed_s']:.3f} | "
+            f"{r['eager_s']:.3f} |"
+            for r in gb["static_batches"]
+        ]
     e = result.get("editing")
     if e and not failed(e):
         lines += ["", "| joint_threshold (0.7, b8, batch 16) | equal to cpu | tokens/s | edits per forward |"]
@@ -592,6 +695,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--backend", default="cuda", help="cuda, rocm_dcu[:flavour[:arch]] or ascend")
+    ap.add_argument("--sections", default="", help="comma-separated sections to run (default: all)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     global DEV
@@ -612,10 +716,16 @@ def main() -> None:
         "quantized_gemm": lambda: quant_checks(backend),
         "llada_8b_dual_cache_step": lambda: llada_8b_step(args.backend),
         "serving": lambda: serving_checks(args.backend),
+        "engine_graph_buckets": lambda: engine_graph_buckets(args.backend),
         "editing": lambda: editing_checks(args.backend),
         "cache_policies": lambda: cache_policy_checks(args.backend),
         "precision_schedule_step": lambda: schedule_step_cost(args.backend),
     }
+    if args.sections:
+        unknown = sorted(set(args.sections.split(",")) - set(sections))
+        if unknown:
+            raise SystemExit(f"unknown section(s) {unknown}; known: {', '.join(sections)}")
+        sections = {k: v for k, v in sections.items() if k in args.sections.split(",")}
     run_sections(sections, result, args.out / f"{stem}.json")
     lines = render(result)
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
@@ -623,6 +733,10 @@ def main() -> None:
     checked = [r for key in ("kernels", "quantized_gemm") if isinstance(result.get(key), list) for r in result[key]]
     errors = [key for key in sections if failed(result.get(key))]
     serving_ok = not isinstance(result.get("serving"), dict) or result["serving"].get("per_row_passed", False)
+    gb = result.get("engine_graph_buckets")
+    if isinstance(gb, dict) and not failed(gb):  # graphed tokens must equal eager ones
+        equal = [gb["burst_equal_outputs"]] + [r["equal"] for r in gb["static_batches"]]
+        serving_ok = serving_ok and all(a == b for a, b in (e.split("/") for e in equal))
     if errors or not all(r["passed"] for r in checked) or not serving_ok:
         raise SystemExit(f"{stem}: failed sections {errors}, or a kernel out of its tolerance (see the report)")
 

@@ -3,9 +3,12 @@
 # torch, triton, pluggy, safetensors, tokenizers, jinja2 and pytest and cannot fetch packages,
 # so dinfer-rt is installed without dependencies. Results go to ${OUT:-benchmarks/results}.
 # The device checks run first (kernels, quantised GEMMs, the LLaDA-8B-shaped step, continuous
-# batching, cache policies), then the validation suite, then a CPU-side pytest subset on the
-# device's torch build. Each stage has its own time limit and a failing stage does not stop the
-# next: the verdicts are printed at the end and the exit status is non-zero if any stage failed.
+# batching, the engine with CUDA graphs per batch-size bucket: warm-up, captures per bucket,
+# graphed vs eager tokens and tokens/s, cache policies), then the validation suite, then a
+# CPU-side pytest subset on the device's torch build (one section alone: python3
+# benchmarks/gpu_check.py --sections engine_graph_buckets --out DIR). Each stage has its own time
+# limit and a failing stage does not stop the next: the verdicts are printed at the end and the
+# exit status is non-zero if any stage failed.
 # Needs pluggy >= 1.5 in the image (hooks are called through pluggy's relay).
 # Run on one H200 in session 16 (about two minutes; results in benchmarks/results/h200/).
 set -uo pipefail
@@ -23,7 +26,7 @@ stage() {  # stage NAME SECONDS CMD...: run CMD under a time limit, record its v
     verdicts+=("$name: rc=$rc in $((SECONDS - t0)) s")
 }
 stage generate 60 python3 -m dinfer_rt generate --backend cuda qwertyuiop
-stage gpu_check "${GPU_CHECK_S:-300}" python3 benchmarks/gpu_check.py --backend cuda --out "$out"
+stage gpu_check "${GPU_CHECK_S:-360}" python3 benchmarks/gpu_check.py --backend cuda --out "$out"
 # the cross-hardware validation suite on the device (op conformance incl. padded attention
 # variants, fused vs unfused, model-level checks against the float64 `reference` backend)
 stage validate "${VALIDATE_S:-100}" python3 -m dinfer_rt validate --backends cuda --quick \

@@ -10,8 +10,10 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 from dataclasses import asdict
+from decimal import Decimal
 from pathlib import Path
 
 from dinfer_rt import envs
@@ -36,6 +38,39 @@ def _int_in(low: int, high: int | None = None):
         return v
 
     return parse
+
+
+# K, KiB .. T, TiB: powers of 1024; KB .. TB: powers of 1000 (matched in any case)
+_BYTE_UNITS = {"": 1, "b": 1} | {
+    f"{p}{suffix}": base**i for i, p in enumerate("kmgt", 1) for suffix, base in (("", 1024), ("ib", 1024), ("b", 1000))
+}
+
+
+def _byte_size(text: str) -> int:
+    """An argparse type: bytes (``1073741824``) or a size with a unit (``8GiB``, ``512MiB``,
+    ``1.5G``; KiB, MiB, GiB, TiB and K, M, G, T are powers of 1024, KB, MB, GB, TB of 1000; any
+    case), at least one byte; else an error naming the value."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", text)
+    unit = _BYTE_UNITS.get(m.group(2).lower()) if m else None
+    if unit is None:
+        raise argparse.ArgumentTypeError(
+            f"expected bytes or a size with a unit (e.g. 8GiB, 512MiB, 1073741824), got {text!r}"
+        )
+    v = int(Decimal(m.group(1)) * unit)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return v
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1], else an error naming the value."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < v <= 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return v
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -203,6 +238,35 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="greedy score-only rules read full logits instead of the fused confidence head",
     )
+    p.add_argument(
+        "--max-prefill-chunk-tokens",
+        type=int,
+        default=d.max_prefill_chunk_tokens,
+        help="block-causal models: the most prompt tokens one step prefills for a long prompt, in whole blocks "
+        "(default: what --max-num-batched-tokens leaves beside the running rows; 0: off)",
+    )
+    p.add_argument(
+        "--graphs",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="device graphs for lockstep forwards (auto: the backend's default, DINFER_GRAPHS; on where the "
+        "backend replays none is an error)",
+    )
+    p.add_argument(
+        "--graph-batch-sizes",
+        type=_int_list,
+        default=None,
+        metavar="N,N,...",
+        help="batch-size buckets captured with --graphs (default 1,2,4 then every multiple of 8 up to max rows)",
+    )
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """``1,2,4`` -> (1, 2, 4); anything else an argparse error naming the value."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _engine_args(a: argparse.Namespace) -> dict:
@@ -211,7 +275,19 @@ def _engine_args(a: argparse.Namespace) -> dict:
         "sync_every": a.sync_every,
         "max_forward_tokens": a.max_forward_tokens,
         "confidence_head": not a.no_confidence_head,
+        "graphs": {"auto": None, "on": True, "off": False}[a.graphs],
+        "graph_batch_sizes": a.graph_batch_sizes,
+        "max_prefill_chunk_tokens": a.max_prefill_chunk_tokens,
     }
+
+
+def _kv_budget_args(a: argparse.Namespace) -> dict:
+    """``serve``'s KV pool budget flags as EngineArgs fields (absent: max_num_seqs rows)."""
+    if a.kv_cache_memory is not None:
+        return {"kv_cache_memory": a.kv_cache_memory}
+    if a.kv_cache_memory_fraction is not None:
+        return {"kv_cache_memory_fraction": a.kv_cache_memory_fraction}
+    return {}
 
 
 def _prefix_cache_args(a: argparse.Namespace) -> dict:
@@ -319,7 +395,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.tensor_parallel_size > 1 or a.data_parallel_size > 1:
         return _generate_tensor_parallel(a)
     llm = LLM(
-        a.model, backend=a.backend, dtype=a.dtype, check_weights=not a.no_check_weights, quantization=a.quantization
+        a.model,
+        backend=a.backend,
+        dtype=a.dtype,
+        check_weights=not a.no_check_weights,
+        quantization=a.quantization,
+        **_engine_args(a),
     )
     _choose_template(llm, a)
     outs = llm.generate(a.prompts, _params(a), allow_mask_in_prompt=a.allow_mask_in_prompt)
@@ -383,7 +464,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         shutdown_after_requests=a.shutdown_after_requests,
         shutdown_after_s=a.shutdown_after_s,
         max_request_bytes=a.max_request_bytes,
-        engine_args={**_engine_args(a), **_prefix_cache_args(a)},
+        engine_args={**_engine_args(a), **_prefix_cache_args(a), **_kv_budget_args(a)},
     )
     check_before_load(config, a.model, a.backend, a.dtype, a.data_parallel_size)  # before any allocation
     defaults = _check_serve_defaults(a.model, defaults, config)
@@ -776,6 +857,23 @@ def build_parser() -> argparse.ArgumentParser:
         "memory, else 1 GiB; 0: off)",
     )
     sv.add_argument("--no-prefix-cache", action="store_true", help="turn the block prefix cache off")
+    kv = sv.add_mutually_exclusive_group()
+    kv.add_argument(
+        "--kv-cache-memory",
+        type=_byte_size,
+        default=None,
+        metavar="SIZE",
+        help="KV-cache pool budget: bytes or a size with a unit (8GiB, 512MiB); rows decoding at once = "
+        "min(--max-num-seqs, SIZE // bytes per row) (default: --max-num-seqs rows, whatever they take)",
+    )
+    kv.add_argument(
+        "--kv-cache-memory-fraction",
+        type=_fraction,
+        default=None,
+        metavar="F",
+        help="KV-cache pool budget as a fraction in (0, 1] of the free memory after the weights (CUDA / ROCm: "
+        "the device's; CPU: MemAvailable)",
+    )
     _add_run_args(sv, parallel=False)
     sv.set_defaults(func=cmd_serve)
 

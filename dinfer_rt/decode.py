@@ -102,25 +102,28 @@ def check_token_ids(prompts: list[list[int]], vocab: int) -> None:
 def uses_confidence_head(params: SamplingParams, args: EngineArgs | None = None) -> bool:
     """Whether a request's decisions need only each slot's argmax and one score (the fused
     confidence head): greedy, unguided, a rule in ``STATS_ONLY``, and not turned off by the
-    engine (``EngineArgs.confidence_head``)."""
+    engine (``EngineArgs.confidence_head``); not when it asks for ``logprobs`` (they need the logits)."""
     return (
         (args is None or args.confidence_head)
         and params.strategy in strategies.STATS_ONLY
         and params.temperature == 0
         and params.cfg_scale == 0
+        and params.logprobs is None
     )
 
 
 def edits_on_device(params: SamplingParams, args: EngineArgs | None = None) -> bool:
     """Whether an editing request's steps can run on a backend's edit kernel: greedy,
     unguided, joint_threshold without ``penalty_lambda`` (its decision needs each slot's argmax
-    and probability only: the confidence head), the head not turned off by the engine."""
+    and probability only: the confidence head), the head not turned off by the engine, no
+    ``logprobs`` (they need the logits)."""
     return (
         (args is None or args.confidence_head)
         and params.strategy == "joint_threshold"
         and params.temperature == 0
         and params.cfg_scale == 0
         and params.penalty_lambda == 0
+        and params.logprobs is None
     )
 
 
@@ -207,6 +210,14 @@ class Cohort:
         self._unread = torch.zeros(2, dtype=torch.long, device=dev)  # the same, not yet read on the host
         self.block_final = torch.zeros(b, dtype=torch.bool, device=dev)  # editing: the row's current block is final
         self.commit_step = torch.full((b, g), -1, dtype=torch.long, device=dev)
+        # ``params.logprobs``: per generated slot, the log-probability of the token the forward
+        # that last wrote it gave it (and its top alternatives); on the host (the logits path)
+        self.logprobs = params.logprobs
+        if self.logprobs is not None:
+            k = min(self.logprobs, model.spec.vocab - 1)  # the mask token is never an alternative
+            self.token_logprob = torch.zeros((b, g), dtype=torch.float32)
+            self.top_ids = torch.zeros((b, g, k), dtype=torch.long)
+            self.top_logprob = torch.zeros((b, g, k), dtype=torch.float32)
         self._ones = torch.ones(b, dtype=torch.long, device=dev)  # the quota of the unscheduled rules
         self.stop: StopCheck | None = None
         self.requests: list = []  # the engine's Request of each row
@@ -214,8 +225,9 @@ class Cohort:
         self.run: Callable[[ForwardInputs], object] | None = None  # the engine's runner
         # the cache policy's counters
         self.prev_start: int | None = None  # block-causal: the previous block's start
-        # block-causal: leading positions whose K/V the engine copied from its prefix cache before
-        # the first forward (``prefix_cache.py``); that forward computes from here, not from 0
+        # block-causal: leading positions whose K/V are in the pool before the first forward (copied
+        # from the engine's prefix cache, ``prefix_cache.py``, or computed by its chunked prefill);
+        # that forward computes from here, not from 0
         self.cached_prefix = 0
         # adaptive / anchored / delayed: tokens each row committed since the last full refresh
         # (not counted when no bound applies: on a device the count is a host sync per step)
@@ -534,8 +546,11 @@ class Cohort:
                 self.state.update(saved[0])
                 self.gen.set_state(saved[1])
                 self.window = self._plan(None)
-                x0, commit = self._rule(self.forward(self.window))
+                out = self.forward(self.window)
+                x0, commit = self._rule(out)
             self.x[:, s:e] = torch.where(commit, x0, self.x[:, s:e])
+            if self.logprobs is not None:
+                self._record_logprobs(out, x0, commit)
         self.committed += commit.sum(-1)
         if self.pending is not None:
             self.pending += commit.sum(-1).cpu()
@@ -586,9 +601,12 @@ class Cohort:
                 self.state.update(saved[0])
                 self.gen.set_state(saved[1])
                 self.window = self._plan(None)
-                x0, write = self._edit_rule(self.forward(self.window), masked, current, editable)
+                out = self.forward(self.window)
+                x0, write = self._edit_rule(out, masked, current, editable)
             commit, edit = write & masked, write & editable
             self.x[:, s:e] = torch.where(commit | edit, x0, current)
+            if self.logprobs is not None:  # an edited slot's log-probability is its last write's
+                self._record_logprobs(out, x0, commit | edit)
         _, ends = strategies.joint_threshold_block_end(has_mask, edit.any(-1), self.block_post, p.max_post_steps)
         self.block_final |= live & ends
         n_edits = edit.sum(-1)
@@ -609,6 +627,33 @@ class Cohort:
         self.commit_step[:, lo - self.p_len : e - self.p_len].masked_fill_(written, self.last_forward)
         self.step += 1
         return commit
+
+    def _record_logprobs(self, logits: torch.Tensor, x0: torch.Tensor, written: torch.Tensor) -> None:
+        """``params.logprobs``: for each generated slot this step wrote (``written`` [B, L] on the
+        host), the log-softmax of this forward's block logits [B, L, V] at it (float32, float64
+        logits in float64; the mask token excluded: its logit is -inf here, as the rules never
+        write it; no temperature), read at the written token ``x0``, and the top alternatives."""
+        lo = max(self.s, self.p_len) - self.s  # a block-causal first block may start inside the prompt
+        rows, cols = written[:, lo:].nonzero(as_tuple=True)
+        if len(rows) == 0:
+            return
+        dev = logits.device
+        z = logits[rows.to(dev), (cols + lo).to(dev)]  # [N, V], the written slots only
+        lp = z.to(torch.float64 if z.dtype == torch.float64 else torch.float32).log_softmax(-1)
+        chosen = lp.gather(-1, x0[rows, cols + lo].to(dev)[:, None]).squeeze(-1)
+        slots = cols + (self.s + lo - self.p_len)
+        self.token_logprob[rows, slots] = chosen.float().cpu()
+        if self.top_ids.shape[-1]:
+            top = lp.topk(self.top_ids.shape[-1], dim=-1)
+            self.top_logprob[rows, slots] = top.values.float().cpu()
+            self.top_ids[rows, slots] = top.indices.cpu()
+
+    def logprobs_of(self, row: int, start: int, end: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """``params.logprobs``: generated slots [start, end) of ``row``: each token's log-probability
+        and its top alternatives ``(id, log-probability)``, most likely first."""
+        lps = self.token_logprob[row, start:end].tolist()
+        ids, top = self.top_ids[row, start:end].tolist(), self.top_logprob[row, start:end].tolist()
+        return lps, [list(zip(i, v)) for i, v in zip(ids, top)]
 
     def _head(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The confidence head's (argmax, score) from block logits [B, L, V] on their device (a

@@ -20,6 +20,7 @@ Thread model: ``submit`` and ``abort`` may be called from any thread; ``step`` f
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -30,10 +31,10 @@ from dataclasses import dataclass, field
 import torch
 
 from dinfer_rt.decode import BatchResult, Cohort, StopCheck, check_token_ids, forward_rows
-from dinfer_rt.engine_args import EngineArgs
+from dinfer_rt.engine_args import EngineArgs, graph_buckets, pool_rows
 from dinfer_rt.errors import GenerationError
 from dinfer_rt.model import Model
-from dinfer_rt.model_runner import LocalRunner
+from dinfer_rt.model_runner import ForwardInputs, LocalRunner
 from dinfer_rt.prefix_cache import CachedBlock, PrefixCache, default_budget
 from dinfer_rt.sampling import SamplingParams
 from dinfer_rt.stopping import before_eos, cut_at_stop, first_stop
@@ -61,6 +62,7 @@ class Request:
     listener: Listener | None = None
     return_canvas: bool = False
     arrival: float = field(default_factory=time.perf_counter)
+    priority: int = 0  # the wait queue is ordered by (priority, arrival): lower first, FIFO within one
     status: str = "waiting"  # waiting | running | finished
     finish_reason: str | None = None  # stop | length | abort | error
     error: BaseException | None = None
@@ -75,6 +77,11 @@ class Request:
     text: str = ""
     forwards: int = 0  # forwards this request took part in
     cached_tokens: int = 0  # prompt tokens whose K/V were copied from the prefix cache
+    # ``params.logprobs``: per final id, its log-probability under the forward that made it final,
+    # and its top alternatives [(id, log-probability)] (aligned with final_ids; the output's are
+    # the first len(output_ids))
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     admitted: float | None = None
     finished: float | None = None
     cohort: Cohort | None = field(default=None, repr=False)  # its decode state (from submit on)
@@ -98,6 +105,18 @@ class EngineStats:
     failed: int = 0
     edits: int = 0  # token-to-token rewrites (editing rules)
     post_steps: int = 0  # row-forwards whose block had no mask left (editing rules)
+    prefill_chunks: int = 0  # chunked prefill: forwards over prompt blocks of a cohort not decoding yet
+    prefill_tokens: int = 0  # of which query slots (also in computed_tokens)
+    # prefix cache, requests admitted together: prefill forwards over the prompt blocks a request
+    # shares with one waiting behind it, run at its admission and cached at once so the other
+    # admits with a hit in the same step (``_prefix_share``; also in prefill_chunks / prefill_tokens)
+    shared_prefills: int = 0
+    # device graphs (``EngineArgs.graphs``; 0 without them): forwards run at a batch-size bucket
+    # (captured or replayed), forwards run eager (outside the buckets, per-row windows, rows after
+    # the cohort taken), and the padding rows added to reach a bucket
+    graph_forwards: int = 0
+    eager_forwards: int = 0
+    padded_rows: int = 0
 
 
 def check_request(
@@ -109,9 +128,11 @@ def check_request(
     max_model_len: int,
     has_tokenizer: bool,
     block_causal: bool = False,
+    kv_bytes_per_position: int | None = None,
 ) -> int:
     """The engine's admission checks: a ``GenerationError`` naming the field, else ``max_tokens``
-    (default ``params.gen_length``)."""
+    (default ``params.gen_length``). ``kv_bytes_per_position``: one position's K/V over the layers
+    (``kv_row_bytes(..., 1)``), so a request past ``max_model_len`` is also told the memory side."""
     params.validate(block_causal=block_causal)
     if not prompt:
         raise GenerationError("prompt: at least one token is needed")
@@ -120,13 +141,139 @@ def check_request(
     if not 1 <= max_tokens <= params.gen_length:
         raise GenerationError(f"max_tokens {max_tokens} must be in [1, gen_length {params.gen_length}]")
     if len(prompt) + params.gen_length > max_model_len:
+        total = len(prompt) + params.gen_length
+        memory = ""
+        if kv_bytes_per_position is not None:
+            memory = (
+                f" (its K/V would need {format_bytes(total * kv_bytes_per_position)}, "
+                f"{total * kv_bytes_per_position} bytes: {total} positions x {kv_bytes_per_position} bytes; "
+                f"a KV pool row holds {max_model_len} positions, {format_bytes(max_model_len * kv_bytes_per_position)})"
+            )
         raise GenerationError(
-            f"prompt ({len(prompt)} tokens) + {params.gen_length} generated = {len(prompt) + params.gen_length} "
-            f"tokens exceeds the max model length {max_model_len}"
+            f"prompt ({len(prompt)} tokens) + {params.gen_length} generated = {total} "
+            f"tokens exceeds the max model length {max_model_len}{memory}"
         )
     if params.stop and not has_tokenizer:
         raise GenerationError("stop: stop strings need the model's tokenizer (loaded without one)")
     return max_tokens
+
+
+def format_bytes(n: float) -> str:
+    """``1.5 GiB``, ``585.0 KiB``, ``12 B``."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def available_memory(device) -> int | None:
+    """Free memory where the KV pool would live: MemAvailable on the CPU, the free device memory
+    on CUDA / ROCm; None where unknown (other devices)."""
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as fh:
+                for line in fh:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
+    if device.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except Exception:  # no usable runtime here: unknown
+            return None
+    return None
+
+
+def kv_row_bytes(spec, dtype: torch.dtype, positions: int, kv_heads: int | None = None) -> int:
+    """Bytes of ``positions`` positions of one KV pool row (``Model.new_cache``'s tensors): K and V
+    per layer, each ``positions x kv_heads x head_dim`` of ``dtype`` (``kv_heads``: a rank's share
+    under tensor parallelism; default the model's)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    kv = spec.n_kv_heads if kv_heads is None else kv_heads
+    return 2 * spec.n_layers * positions * kv * spec.head_dim * item
+
+
+@dataclass(frozen=True)
+class KVPoolPlan:
+    """The engine's KV pool before it is allocated (:func:`kv_pool_plan`): the engine allocates it,
+    ``serve``'s start-up check measures it against the free memory."""
+
+    row_bytes: int  # one pool row: ``positions`` x layers x K and V x KV heads x head_dim x dtype
+    positions: int  # per row: max_model_len (+ 1 scratch slot)
+    rows: int  # rows decoded at once: max_num_seqs, or fewer under a budget
+    pool_rows: int  # rows allocated: ``rows``, and with device graphs the padding rows of its bucket
+    budget: int | None  # the byte budget (None: sized by max_num_seqs)
+    shape: str  # how a row's bytes are made, for messages
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool_rows * self.row_bytes
+
+
+def kv_budget(args: EngineArgs, free: int | None) -> int | None:
+    """The KV pool's byte budget: ``kv_cache_memory``, or ``kv_cache_memory_fraction`` of ``free``
+    (the free memory after the weights, :func:`available_memory`); None: no budget."""
+    if args.kv_cache_memory is not None:
+        return args.kv_cache_memory
+    if args.kv_cache_memory_fraction is None:
+        return None
+    if free is None:
+        raise GenerationError(
+            "kv_cache_memory_fraction (--kv-cache-memory-fraction): the free memory of this device is unknown; "
+            "give the budget in bytes (kv_cache_memory, --kv-cache-memory)"
+        )
+    return int(free * args.kv_cache_memory_fraction)
+
+
+def kv_pool_plan(
+    spec,
+    dtype: torch.dtype,
+    args: EngineArgs,
+    max_model_len: int,
+    *,
+    scratch_slot: bool = True,
+    kv_heads: int | None = None,
+    graphs: bool = False,
+    free: int | None = None,
+) -> KVPoolPlan:
+    """The rows of the engine's KV pool and their bytes, the one arithmetic the engine and
+    ``serve``'s start-up check share. A row is ``max_model_len`` (+ the scratch slot) positions x
+    layers x K and V x KV heads x head_dim x dtype bytes. Without a budget: ``max_num_seqs`` rows
+    (with device graphs, the pool also holds the padding rows of its bucket). With one
+    (``kv_cache_memory``, or ``kv_cache_memory_fraction`` of ``free``): rows = min(max_num_seqs,
+    budget // row bytes), the bucket's padding rows only as far as the budget holds them (a forward
+    whose padding would not fit runs eagerly). A budget below one row is an error naming both."""
+    positions = max_model_len + int(scratch_slot)
+    row = kv_row_bytes(spec, dtype, positions, kv_heads)
+    kv = spec.n_kv_heads if kv_heads is None else kv_heads
+    item = torch.empty((), dtype=dtype).element_size()
+    shape = (
+        f"{positions} positions (max_model_len {max_model_len}{' + 1 scratch' if scratch_slot else ''}) x "
+        f"{spec.n_layers} layers x K and V x {kv} KV heads x head_dim {spec.head_dim} x {item} bytes "
+        f"({str(dtype).removeprefix('torch.')})"
+    )
+    budget = kv_budget(args, free)
+    if budget is None:
+        return KVPoolPlan(row, positions, args.max_num_seqs, pool_rows(args, graphs), None, shape)
+    fit = budget // row
+    if fit < 1:
+        if args.kv_cache_memory is not None:
+            source = "kv_cache_memory, --kv-cache-memory"
+        else:
+            source = (
+                f"kv_cache_memory_fraction {args.kv_cache_memory_fraction} (--kv-cache-memory-fraction) "
+                f"of {free} bytes free"
+            )
+        raise GenerationError(
+            f"the KV-cache budget of {budget} bytes ({format_bytes(budget)}; {source}) holds no pool row: one row "
+            f"needs {row} bytes ({format_bytes(row)}: {shape}); raise --kv-cache-memory (or "
+            f"--kv-cache-memory-fraction) to at least {row} bytes, or lower --max-model-len ({max_model_len})"
+        )
+    rows = min(args.max_num_seqs, fit)
+    pool = min(pool_rows(dataclasses.replace(args, max_num_seqs=rows), graphs), fit)
+    return KVPoolPlan(row, positions, rows, pool, budget, shape)
 
 
 def notify(req: Request, event: str) -> None:
@@ -145,8 +292,10 @@ class Engine:
     ``args`` (:class:`~dinfer_rt.engine_args.EngineArgs`, or its fields as keywords) says how it
     runs: ``max_num_seqs`` rows at once; ``max_num_batched_tokens`` bounds the query slots of one
     forward at admission (a cohort's first forward computes its whole sequence), so a long
-    prompt waits for room instead of stalling every running row; ``max_queue`` bounds the
-    waiting requests (``QueueFull`` past it); ``max_model_len`` sizes the KV-cache pool
+    prompt waits for room instead of stalling every running row (block-causal models compute
+    its whole prompt blocks in chunks across steps instead: ``_prefill``,
+    ``max_prefill_chunk_tokens``); waiting requests are admitted by (``priority``, arrival);
+    ``max_queue`` bounds the waiting requests (``QueueFull`` past it); ``max_model_len`` sizes the KV-cache pool
     (default: the model's max length). ``block_length``: the served default block length of a
     block-causal model (LLaDA2; reported to front ends). Cohorts of block-causal models with
     different block lengths (their masks differ) take separate forwards. ``prefix_cache_bytes``:
@@ -181,14 +330,32 @@ class Engine:
         # which the native kernels read in place); from the model's pool, so a static batch's
         # engine writes the buffers of the last one (device graphs bind them)
         self.scratch_slot = scratch_slot
-        self.cache = model.cache_pool.acquire(self.max_num_seqs, self.max_model_len + int(scratch_slot))
+        self._graphs_setup(args)
+        # the pool's rows (``kv_pool_plan``): max_num_seqs, or as many as the KV budget holds
+        tp = getattr(model, "tensor_parallel", None)
+        self.kv_plan = kv_pool_plan(
+            model.spec, model.dtype, args, self.max_model_len, scratch_slot=scratch_slot,
+            kv_heads=None if tp is None else tp.kv_heads(model.spec), graphs=self.graphs,
+            free=available_memory(model.backend.device()) if args.kv_cache_memory_fraction is not None else None,
+        )  # fmt: skip
+        if self.kv_plan.rows < self.max_num_seqs:  # the budget holds fewer rows: that many decode at once
+            self.args = args = dataclasses.replace(args, max_num_seqs=self.kv_plan.rows)
+            self.max_num_seqs = self.kv_plan.rows
+            self._graphs_setup(args)  # the default buckets follow the rows
+        self.pool_rows = self.kv_plan.pool_rows
+        self.kv_pool_bytes = self.kv_plan.nbytes  # what the pool takes (K and V of every layer)
+        self.kv_bytes_per_position = self.kv_plan.row_bytes // self.kv_plan.positions
+        self.cache = model.cache_pool.acquire(self.pool_rows, self.kv_plan.positions)
         # what runs each forward: in this process, or (tensor parallel) on every rank of the group
         self.runner = runner or LocalRunner(model)
         self.runner.bind(self.cache)
+        # where graphs replay, every forward goes through _run_graphed (bucket or eager); else the runner
+        self._forward_runner = self._run_graphed if self._replays else self.runner
         self.prefix_cache = self._prefix_cache(args.prefix_cache_bytes)
         self._prefix_held: dict[Cohort, list[CachedBlock]] = {}  # the cached blocks each cohort holds
         self._prefix_fresh: list[Cohort] = []  # admitted this step: their prompt blocks are cached after the forward
         self.cohorts: list[Cohort] = []  # row order: cohort i holds the rows after cohort i - 1's
+        self.prefilling: list[Cohort] = []  # chunked prefill: prompt not all in the pool yet (rows after cohorts')
         self.waiting: deque[list[Request]] = deque()  # groups admitted together (one cohort each)
         self.stats = EngineStats()
         self.forward_s: list[float] = []  # wall time of every forward run (commit_step indexes them)
@@ -208,14 +375,20 @@ class Engine:
         listener: Listener | None = None,
         return_canvas: bool = False,
         stream_provisional: bool = False,
+        priority: int = 0,
     ) -> Request:
         """Validate and queue a request (ids). ``max_tokens`` cuts the output (default
         ``params.gen_length``, which must hold it). ``stream_provisional``: "update" events also
         when the provisional tail changes (``Request.provisional_ids``: an editing rule's open
-        block, which may still be rewritten). Raises ``GenerationError`` naming the field."""
+        block, which may still be rewritten). ``priority`` (an int, vLLM's meaning): the wait
+        queue admits lower values first, FIFO within a priority; running rows are never
+        preempted. Raises ``GenerationError`` naming the field."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise GenerationError(f"priority must be an int, got {priority!r}")
         max_tokens = self.check_request(prompt, params, max_tokens)
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt), params, max_tokens, listener, return_canvas)
         req.stream_provisional = bool(stream_provisional)
+        req.priority = priority
         self._queue([req], Cohort(self.model, [req.prompt], params, self.args))
         return req
 
@@ -262,21 +435,62 @@ class Engine:
         p = cohort.params
         return self.prefix_cache is not None and p.cache != "none" and cohort.schedule is None and p.cfg_scale == 0
 
+    def _prefix_reuses(self, cohort: Cohort) -> bool:
+        """Whether the cohort looks its prompt up in the prefix cache at admission: a lone row
+        with exact K/V (``_prefix_exact``) and at least one whole prompt block before its first
+        decoded block, not under ``vicinity``'s warm-up (its first forwards recompute every
+        position anyway)."""
+        p = cohort.params
+        return (
+            self._prefix_exact(cohort)
+            and cohort.b == 1
+            and not (p.cache == "vicinity" and p.vicinity_warmup > 0)
+            and cohort.s >= cohort.block_size
+        )
+
     def _prefix_lookup(self, cohort: Cohort) -> None:
         """At admission: copy the K/V of the longest cached prefix of the prompt's whole blocks
         before its first decoded block (a lone row) into the cohort's pool row, so its first
-        forward computes only the rest. Not under ``vicinity``'s warm-up, whose first forwards
-        recompute every position anyway."""
-        p = cohort.params
-        if not self._prefix_exact(cohort) or cohort.b != 1 or (p.cache == "vicinity" and p.vicinity_warmup > 0):
-            return
-        if cohort.s < cohort.block_size:  # the prompt's tail is in the first block: nothing to look up
+        forward computes only the rest (``_prefix_reuses`` says which cohorts look up)."""
+        if not self._prefix_reuses(cohort):
             return
         req, lb = cohort.requests[0], cohort.block_size
         chain = self.prefix_cache.lookup(req.prompt, lb, cohort.s // lb)
         self._prefix_held[cohort] = chain
         if chain:
             cohort.cached_prefix = req.cached_tokens = PrefixCache.copy_into(chain, self.cache, cohort.start_row)
+
+    def _prefix_siblings(self, cohort: Cohort, room: int) -> int:
+        """Requests admitted together: the prompt positions (whole blocks) the cohort being
+        admitted shares with the most of one of the next ``room`` waiting requests (those that
+        could be admitted in this step too) that will look the cache up; 0 if none. Its blocks
+        enter the cache only after its first forward, too late for a request admitted beside it,
+        so ``_admit`` computes the shared ones first (``_prefix_share``). Called with the lock held."""
+        if room <= 0 or not self._prefix_reuses(cohort):
+            return 0
+        lb, prompt = cohort.block_size, cohort.requests[0].prompt
+        best = 0
+        for group in itertools.islice(self.waiting, room):
+            other = group[0].cohort
+            if len(group) != 1 or other.block_size != lb or not self._prefix_reuses(other):
+                continue
+            theirs, k, upto = group[0].prompt, 0, min(cohort.s, other.s)
+            while k + lb <= upto and prompt[k : k + lb] == theirs[k : k + lb]:
+                k += lb
+            best = max(best, k)
+        return best
+
+    def _prefix_share(self, cohort: Cohort, upto: int) -> int:
+        """Compute the cohort's prompt positions [cached_prefix, upto) (whole blocks that a
+        request waiting behind it shares) in a prefill forward at its admission, as chunked
+        prefill does (exact for a block-causal model: its first forward then reads them from the
+        pool), and cache them at once, so a sibling admitted next in this step copies them
+        instead of computing them again. Returns the query slots computed."""
+        width = upto - cohort.cached_prefix
+        self._prefill_chunk(cohort, width)
+        self.stats.shared_prefills += 1
+        self._prefix_insert(cohort, upto)
+        return cohort.b * width
 
     def _prefix_insert(self, cohort: Cohort, upto: int) -> None:
         """Cache each row's whole blocks before position ``upto`` (their K/V in the pool must be
@@ -303,7 +517,7 @@ class Engine:
             req.cohort, req.row = cohort, row
         cohort.requests = group
         cohort.on_forward = self._on_forward
-        cohort.run = self.runner
+        cohort.run = self._forward_runner
 
     def _queue(self, group: list[Request], cohort: Cohort) -> None:
         self._wire(group, cohort)
@@ -312,7 +526,11 @@ class Engine:
                 raise EngineClosed("the engine is shutting down and admits no new requests")
             if self.max_queue is not None and self.num_waiting >= self.max_queue:
                 raise QueueFull(f"the wait queue is full ({self.num_waiting} of max_queue {self.max_queue})")
-            self.waiting.append(group)
+            # ordered by (priority, arrival): after every group of the same or a lower priority
+            at, priority = len(self.waiting), group[0].priority
+            while at and self.waiting[at - 1][0].priority > priority:
+                at -= 1
+            self.waiting.insert(at, group)
 
     def check_request(self, prompt: list[int], params: SamplingParams, max_tokens: int | None) -> int:
         """What ``submit`` refuses, without queueing (a front end over replicas checks it before
@@ -320,6 +538,7 @@ class Engine:
         return check_request(
             prompt, params, max_tokens, vocab=self.model.spec.vocab, max_model_len=self.max_model_len,
             has_tokenizer=self.model.tokenizer is not None, block_causal=self.model.spec.block_causal,
+            kv_bytes_per_position=self.kv_bytes_per_position,
         )  # fmt: skip
 
     def abort(self, request_id: str) -> None:
@@ -350,10 +569,10 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return sum(1 for c in self.cohorts for r in c.requests if not r.done)
+        return sum(1 for c in self.cohorts + self.prefilling for r in c.requests if not r.done)
 
     def has_work(self) -> bool:
-        return bool(self.cohorts or self.waiting)
+        return bool(self.cohorts or self.prefilling or self.waiting)
 
     # ---------------------------------------------------------------- the step
     @torch.no_grad()
@@ -396,33 +615,57 @@ class Engine:
                 req.cohort.finish_row(req.row)
             self._finish(req, "abort")
             finished.append(req)
-        for cohort in [c for c in self.cohorts if any(r.id in aborted for r in c.requests)]:
+        for cohort in [c for c in self.cohorts + self.prefilling if any(r.id in aborted for r in c.requests)]:
             for req in cohort.requests:
                 if req.id in aborted and not req.done:
                     cohort.finish_row(req.row)
                     self._finish(req, "abort")
                     finished.append(req)
             if all(r.done for r in cohort.requests):
-                self._end_cohort(cohort, "abort", finished)
+                if cohort in self.prefilling:  # its rows are the last ones: nothing moves
+                    self.prefilling.remove(cohort)
+                    self._prefix_release(cohort)
+                else:
+                    self._end_cohort(cohort, "abort", finished)
 
     def _admit(self, finished: list[Request]) -> None:
-        rows = sum(c.b for c in self.cohorts)
+        rows = sum(c.b for c in self.cohorts + self.prefilling)
         used = sum(c.b * len(c.window.compute) for c in self.cohorts)
+        budget = self.max_num_batched_tokens
+        used = self._prefill(finished, used)
         while True:
+            if self.prefilling:  # FIFO: nothing is admitted past a prompt still prefilling
+                return
             with self._lock:
                 if not self.waiting:
                     return
                 group = self.waiting[0]
                 cohort = group[0].cohort
                 need = cohort.b * cohort.n  # its first forward computes everything
-                if rows + cohort.b > self.max_num_seqs or (self.cohorts and used + need > self.max_num_batched_tokens):
+                chunked = self._chunkable(cohort)
+                if chunked:  # it starts when a block per row fits (a prefill chunk or its first window)
+                    need = cohort.b * cohort.block_size
+                if rows + cohort.b > self.max_num_seqs or (self.cohorts and used + need > budget):
                     return
                 self.waiting.popleft()
                 group, cohort = self._merge_waiting(group, cohort, rows, used)
+                # prompt blocks a request that may be admitted next in this step shares with it
+                shared = self._prefix_siblings(cohort, self.max_num_seqs - rows - cohort.b)
             cohort.start_row = rows
             try:
                 if self.prefix_cache is not None:
                     self._prefix_lookup(cohort)
+                if chunked and self._first_width(cohort) > self._prefill_room(used):
+                    # its first forward would not fit this step: its prompt blocks are computed
+                    # in chunks over the next steps, beside the running rows
+                    for req in group:
+                        req.status, req.admitted = "running", time.perf_counter()
+                    self.prefilling.append(cohort)
+                    rows += cohort.b
+                    used = self._prefill(finished, used)
+                    continue
+                if shared > cohort.cached_prefix:  # computed and cached now: the sibling copies them
+                    used += self._prefix_share(cohort, shared)
                 if not cohort.prepare():
                     raise GenerationError("nothing to generate")
             except Exception as err:
@@ -440,6 +683,101 @@ class Engine:
             rows += cohort.b
             used += cohort.b * len(cohort.window.compute)
 
+    # ---------------------------------------------------------------- chunked prefill
+    def _chunkable(self, cohort: Cohort) -> bool:
+        """Whether the cohort's prompt may be prefilled in chunks across steps: a block-causal
+        model (a prompt block's K/V depend only on it and the blocks before it, so whole blocks
+        computed chunk by chunk, each reading the earlier ones from the pool, are those of one
+        forward over them: what a prefix-cache hit relies on too), a first forward that writes
+        the cache (not ``cache: "none"``, not ``vicinity``'s warm-up, no guidance) in full
+        precision (no precision schedule), chunking not turned off. Bidirectional families
+        (every prompt K/V depends on the whole sequence) keep one first forward."""
+        p = cohort.params
+        return (
+            self.args.max_prefill_chunk_tokens != 0
+            and self.model.spec.block_causal
+            and cohort.block_size is not None
+            and p.cache != "none"
+            and not (p.cache == "vicinity" and p.vicinity_warmup > 0)
+            and p.cfg_scale == 0
+            and cohort.schedule is None
+            and not cohort.started
+        )
+
+    @staticmethod
+    def _first_width(cohort: Cohort) -> int:
+        """Query slots of a block-causal cohort's first forward: its rows x the positions from
+        the first one not in the pool to the end of its first decoded block."""
+        return cohort.b * (min(cohort.s + cohort.block_size, cohort.n) - cohort.cached_prefix)
+
+    def _prefill_room(self, used: int) -> int:
+        """Query slots a step may still spend on a prefilling prompt: what the token budget
+        leaves beside ``used``, at most ``max_prefill_chunk_tokens``."""
+        room = self.max_num_batched_tokens - used
+        cap = self.args.max_prefill_chunk_tokens
+        return room if cap is None else min(room, cap)
+
+    def _prefill(self, finished: list[Request], used: int) -> int:
+        """One step of chunked prefill: each prefilling cohort computes its next whole prompt
+        blocks within what the budget leaves (at least one block when nothing else runs, so it
+        always progresses), and joins the running cohorts once its prompt blocks are all in the
+        pool and its first window (one block) fits. Returns the budget used."""
+        for cohort in list(self.prefilling):
+            lb, b = cohort.block_size, cohort.b
+            try:
+                left = cohort.s - cohort.cached_prefix
+                if left > 0:
+                    cap = self.args.max_prefill_chunk_tokens
+                    per_row = (self.max_num_batched_tokens - used) // b
+                    if cap is not None:
+                        per_row = min(per_row, max(cap // b, lb))
+                    width = min(left, per_row // lb * lb)
+                    if width == 0 and used == 0 and not self.cohorts:
+                        width = min(left, lb)
+                    if width > 0:
+                        self._prefill_chunk(cohort, width)
+                        used += b * width
+                if cohort.cached_prefix < cohort.s:
+                    continue
+                first = self._first_width(cohort)
+                if used and used + first > self.max_num_batched_tokens:
+                    continue  # joins at a later step
+                if not cohort.prepare():
+                    raise GenerationError("nothing to generate")
+                if self._prefix_exact(cohort):
+                    # its prompt blocks are all in the pool (exact): cached now, not after its first
+                    # forward, so the requests that waited behind it (FIFO) admit with a hit at once
+                    self._prefix_insert(cohort, cohort.s)
+            except Exception as err:
+                self.prefilling.remove(cohort)
+                self._prefix_release(cohort)
+                for req in cohort.requests:
+                    if not req.done:
+                        self._finish(req, "error", err)
+                        finished.append(req)
+                continue
+            self.prefilling.remove(cohort)
+            self.cohorts.append(cohort)  # its rows are right after the running ones
+            used += cohort.b * len(cohort.window.compute)
+        return used
+
+    def _prefill_chunk(self, cohort: Cohort, width: int) -> None:
+        """Compute the K/V of the prompt positions [cached_prefix, cached_prefix + width) (whole
+        blocks) into the cohort's pool rows: a cached forward over them reading the blocks
+        before them from the pool, as a prefix-cache hit's first forward does. Its output is not
+        used: the confidence head at one position, so the LM head costs nothing. Eager where
+        graphs replay: its shape depends on the prompt, which no batch-size bucket bounds."""
+        lo = cohort.cached_prefix
+        compute = torch.arange(lo, lo + width)
+        rows = (cohort.start_row, cohort.b, cohort.n)
+        select, bs = compute[-1:], cohort.block_size
+        chunk = ForwardInputs(cohort.x, cohort.attn, compute=compute, cache=rows, select=select, block_size=bs)
+        self.runner(dataclasses.replace(chunk, graph=False))
+        cohort.cached_prefix = lo + width  # the first forward computes from here (``Cohort._spans``)
+        self.stats.prefill_chunks += 1
+        self.stats.prefill_tokens += cohort.b * width
+        self.stats.computed_tokens += cohort.b * width
+
     def _merge_waiting(self, group: list[Request], cohort: Cohort, rows: int, used: int):
         """Requests waiting together with the same settings decode as one cohort, left-padded
         like a static batch: one lockstep forward instead of padded per-row windows (at
@@ -456,7 +794,7 @@ class Engine:
         longest = len(group[0].prompt)
         while self.waiting and rows + len(merged) < self.max_num_seqs:
             nxt = self.waiting[0]
-            if len(nxt) != 1 or nxt[0].params != params:
+            if len(nxt) != 1 or nxt[0].params != params or nxt[0].priority != group[0].priority:
                 break
             n = max(longest, len(nxt[0].prompt)) + params.gen_length
             if n > self.max_model_len or used + (len(merged) + 1) * n > self.max_num_batched_tokens:
@@ -486,7 +824,7 @@ class Engine:
         b = sum(c.b for c in cohorts)
         uncached = not self.model.spec.block_causal and all(c.params.cache == "none" for c in cohorts)
         t0 = time.perf_counter()
-        outs, width, real = forward_rows(cohorts, self.runner, cached=not uncached)
+        outs, width, real = forward_rows(cohorts, self._forward_runner, cached=not uncached)
         wall = time.perf_counter() - t0
         st.steps += 1
         st.per_row_steps += 1
@@ -498,6 +836,101 @@ class Engine:
             c.step_s.append(wall)
             c.last_forward = index
             self._count(c, c.decide(out))
+
+    # ---------------------------------------------------------------- device graphs
+    def _graphs_setup(self, args: EngineArgs) -> None:
+        """Device graphs for lockstep forwards: where the backend replays them (and ``graphs`` is
+        not False), a forward of b rows pads to the smallest bucket B >= b (``graph_buckets``) so
+        one capture serves every row count up to B; the pool gets the rows of the bucket of
+        ``max_num_seqs`` so the padding rows of the last cohort exist (``kv_pool_plan``: as far as
+        a KV budget holds them)."""
+        replays = self.model.backend.replays_graphs()
+        if args.graphs and not replays:
+            raise GenerationError(
+                f"EngineArgs: graphs=True but backend {self.model.backend.name} replays no device graphs "
+                "(cuda and ascend do with DINFER_GRAPHS=1)"
+            )
+        self.graphs = replays and args.graphs is not False
+        self.graph_buckets = graph_buckets(args) if self.graphs else ()
+        # b -> its bucket, for every b up to the largest bucket (a lookup per forward)
+        self._bucket_of: dict[int, int] = {}
+        for b in range(1, (self.graph_buckets or (0,))[-1] + 1):
+            self._bucket_of[b] = next(x for x in self.graph_buckets if x >= b)
+        self._replays = replays
+
+    def _run_graphed(self, inputs: ForwardInputs):
+        """A forward on a backend that replays device graphs: a one-window forward of b rows runs
+        padded to its bucket B when the pool rows [start + b, start + B) hold no cohort (the
+        padding rows' K/V land there; the runner drops their outputs), else (a batch above the
+        largest bucket, per-row windows, the rows after it taken, graphs turned off) eagerly:
+        the graph caches capture nothing for it."""
+        st = self.stats
+        b = inputs.input_ids.shape[0]
+        bucket = self._bucket_of.get(b) if self.graphs and inputs.rows is None else None
+        if bucket is not None and bucket > b and inputs.cache is not None:
+            start = inputs.cache[0]
+            used = sum(c.b for c in self.cohorts) + sum(c.b for c in self.prefilling)
+            if start + b != used or start + bucket > self.pool_rows:
+                bucket = None
+        if bucket is None:
+            st.eager_forwards += 1
+            return self.runner(dataclasses.replace(inputs, graph=False))
+        st.graph_forwards += 1
+        if bucket == b:
+            return self.runner(inputs)
+        st.padded_rows += bucket - b
+        return self.runner(dataclasses.replace(inputs, pad_rows=bucket - b))
+
+    def graph_stats(self) -> dict:
+        """The model's device graphs: captures (in all and per batch rows), replays, eager calls,
+        graphs dropped (LRU) and the device memory the live ones hold (0 with a stand-in API or
+        without graphs), beside the engine's bucket counters."""
+        caches = [exe.graphs for exe in self.model._compiled.values() if hasattr(exe, "graphs")]
+        by_rows: dict[int, int] = {}
+        for g in caches:
+            for rows, n in g.captures_by_rows.items():
+                by_rows[rows] = by_rows.get(rows, 0) + n
+        st = self.stats
+        return {
+            "enabled": self.graphs,
+            "buckets": list(self.graph_buckets),
+            "captures": sum(g.captures for g in caches),
+            "captures_by_rows": dict(sorted(by_rows.items())),
+            "replays": sum(g.replays for g in caches),
+            "eager_calls": sum(g.eager for g in caches),
+            "evictions": sum(g.evictions for g in caches),
+            "graph_bytes": sum(g.nbytes for g in caches),
+            "graph_forwards": st.graph_forwards,
+            "eager_forwards": st.eager_forwards,
+            "padded_rows": st.padded_rows,
+        }
+
+    def capture_graphs(self, params: SamplingParams, prompt_len: int = 16) -> dict:
+        """Warm-up (a server's start-up): one short static batch per batch-size bucket (at most
+        ``max_num_seqs`` rows; a bucket above it serves the padded largest batch) through this
+        engine's own pool, so each bucket's window shapes for ``params`` and a ``prompt_len``-token
+        prompt are captured before the first request (other shapes are captured on first use).
+        The engine's counters and prefix cache are reset after it; returns :meth:`graph_stats`.
+        Nothing to do without graphs."""
+        if not self.graphs:
+            return self.graph_stats()
+        params = params.for_model(self.model.spec)
+        n = min(prompt_len, max(1, self.max_model_len - params.gen_length))
+        prompt = [self.model.pad_id] * n
+        for bucket in self.graph_buckets:
+            rows = min(bucket, self.max_num_seqs)
+            if rows < bucket and bucket != self._bucket_of.get(self.max_num_seqs):
+                continue
+            self.submit_batch([list(prompt) for _ in range(rows)], params)
+            self.run_until_idle()
+        self.stats = EngineStats(
+            graph_forwards=self.stats.graph_forwards, eager_forwards=self.stats.eager_forwards,
+            padded_rows=self.stats.padded_rows,
+        )  # fmt: skip
+        self.forward_s.clear()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        return self.graph_stats()
 
     def _count(self, cohort: Cohort, commit: torch.Tensor) -> None:
         self.stats.committed += int(commit.sum()) if commit.device.type == "cpu" else 0
@@ -534,6 +967,7 @@ class Engine:
                 revised, req.provisional_ids = tail != req.provisional_ids, tail
             grew = len(final) > len(req.final_ids)
             req.final_ids = final
+            _take_logprobs(cohort, req)
             if grew or req.return_canvas or revised:
                 notify(req, "update")
             if not grew:
@@ -567,6 +1001,7 @@ class Engine:
             req.provisional_ids = []
             if err is None:
                 req.final_ids = gen[req.row, : lengths[req.row]].tolist()  # the final prefix
+                _take_logprobs(cohort, req)
             kept = before_eos(req.final_ids, self.eos)
             stopped = reason == "length" and len(kept) < min(len(req.final_ids), req.max_tokens)
             self._finish(req, "stop" if stopped else reason, err)
@@ -590,7 +1025,7 @@ class Engine:
     def _pack(self) -> None:
         """Move cohorts whose rows changed (their K/V copied; rows are only ever moved down)."""
         row, moves = 0, []
-        for c in self.cohorts:
+        for c in self.cohorts + self.prefilling:
             if c.start_row != row:
                 moves.append((row, c.start_row, c.b, c.n))
                 c.start_row = row
@@ -621,6 +1056,15 @@ class Engine:
             steps += 1
             if max_steps is not None and steps >= max_steps:
                 return
+
+
+def _take_logprobs(cohort: Cohort, req: Request) -> None:
+    """``params.logprobs``: extend the request's log-probabilities to its final ids (final
+    tokens never change, so neither do theirs)."""
+    if cohort.logprobs is not None and len(req.final_ids) > len(req.logprobs):
+        lps, top = cohort.logprobs_of(req.row, len(req.logprobs), len(req.final_ids))
+        req.logprobs += lps
+        req.top_logprobs += top
 
 
 def batch_groups(cohort: Cohort, prompts: list[list[int]]) -> list[list[int]]:
@@ -657,8 +1101,9 @@ def run_batch(
     n = min(max(len(p) for p in prompts) + params.gen_length, model.spec.max_length)
     block = params.block_length if model.spec.block_causal else None
     args = EngineArgs.build(
-        args, max_num_seqs=len(prompts), max_num_batched_tokens=2**62, max_model_len=n, prefix_cache_bytes=0
-    )  # one batch: nothing to share across requests
+        args, max_num_seqs=len(prompts), max_num_batched_tokens=2**62, max_model_len=n, prefix_cache_bytes=0,
+        kv_cache_memory=None, kv_cache_memory_fraction=None,
+    )  # fmt: skip  # one batch: nothing to share across requests; its pool is the batch's own (no budget)
     shared = len(batch_groups(Cohort(model, prompts, params, args), prompts)) > 1  # cohorts that share forwards
     engine = Engine(model, args, block_length=block, scratch_slot=shared, runner=runner)
     try:

@@ -37,6 +37,10 @@ class GenerationOutput:
     text: str
     token_ids: list[int]  # generated ids up to (not including) the first EOS
     stats: GenerationStats
+    # ``SamplingParams.logprobs`` set: per token id, its log-probability under the forward that
+    # made it final, and its top alternatives [(id, log-probability)], most likely first
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class LLM:
@@ -165,7 +169,7 @@ class LLM:
                         res.nfe, toks, toks / max(res.nfe, 1), res.wall_s, tps, res.precision_forwards,
                         req.edits, req.post_steps, req.edits / max(res.nfe, 1),
                     )  # fmt: skip
-                    outputs.append(GenerationOutput(prompts[i + r], req.text, req.output_ids, stats))
+                    outputs.append(GenerationOutput(prompts[i + r], req.text, req.output_ids, stats, *_logprobs(req)))
                 bar.update(len(chunk))
         return outputs
 
@@ -192,8 +196,16 @@ class LLM:
                 req.forwards, toks, toks / max(req.forwards, 1), wall, toks / wall if wall else 0.0,
                 edits=req.edits, post_steps=req.post_steps, edits_per_forward=req.edits / max(req.forwards, 1),
             )  # fmt: skip
-            outputs.append(GenerationOutput(prompt, req.text, req.output_ids, stats))
+            outputs.append(GenerationOutput(prompt, req.text, req.output_ids, stats, *_logprobs(req)))
         return outputs
+
+
+def _logprobs(req) -> tuple[list | None, list | None]:
+    """A finished request's log-probabilities of its output ids (None: not asked)."""
+    if req.params.logprobs is None:
+        return None, None
+    n = len(req.output_ids)
+    return req.logprobs[:n], req.top_logprobs[:n]
 
 
 def _check_arguments(model, backend, dtype, check_weights, quantization, expert_parallel) -> None:

@@ -12,11 +12,17 @@ windows, which rows of the KV-cache pool, which outputs are wanted) and run by a
 The same seam serves the persistent worker processes of ``workers.py`` and ranks started by an
 external launcher (``torchrun``, ``llm.generate_on_rank``). Not to be confused with
 ``executor.py``, which runs one compiled graph.
+
+Device graphs (a backend whose ``replays_graphs()``): a forward's inputs say whether it may
+replay a captured graph (``graph``; False runs it eagerly, inside :func:`eager_forwards`) and how
+many rows pad it to the engine's batch-size bucket (``pad_rows``): every rank pads alike, the
+padding rows' outputs are dropped here, and their K/V go to pool rows no cohort holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -57,12 +63,81 @@ class ForwardInputs:
     score: str = "max"
     block_size: int | None = None
     precision: str | None = None
+    graph: bool = True  # False: run eagerly even where the backend replays device graphs
+    pad_rows: int = 0  # rows appended (mask ids, every key valid) up to a graph's batch size; outputs dropped
+
+
+_GRAPHS = threading.local()
+
+
+class eager_forwards:  # noqa: N801 (a context manager, used as ``with eager_forwards():``)
+    """Forwards run inside it on this thread are eager: a graphed executable neither captures
+    nor replays (``backends/triton/graphs.py`` asks :func:`graphs_allowed`)."""
+
+    def __enter__(self) -> None:
+        self.before = getattr(_GRAPHS, "eager", False)
+        _GRAPHS.eager = True
+
+    def __exit__(self, *exc) -> None:
+        _GRAPHS.eager = self.before
+
+
+def graphs_allowed() -> bool:
+    """Whether a forward on this thread may capture or replay a device graph."""
+    return not getattr(_GRAPHS, "eager", False)
 
 
 def run_on(model: Model, inputs: ForwardInputs, cache: KVCache | None):
     """Run ``inputs`` on ``model`` with ``cache`` (the pool rows ``inputs.cache`` names): the one
     entry point a step calls (``Model.forward`` / ``confidence`` / ``forward_rows`` are its three
-    shapes, kept as they are for tests and likelihood)."""
+    shapes, kept as they are for tests and likelihood). ``inputs.pad_rows`` must be 0 here
+    (:func:`run_rows` pads); ``inputs.graph`` False runs it eagerly."""
+    if not inputs.graph:
+        with eager_forwards():
+            return _run(model, inputs, cache)
+    return _run(model, inputs, cache)
+
+
+def run_rows(model: Model, inputs: ForwardInputs, rows: CachePoolRows):
+    """:func:`run_on` over the pool rows ``inputs.cache`` names, padded by ``inputs.pad_rows`` rows
+    first (what every runner and follower calls): the pad rows compute the same window over
+    the pool rows after the real ones (free rows: the engine checks), and only the real rows'
+    outputs come back."""
+    pad = inputs.pad_rows
+    if not pad:
+        return run_on(model, inputs, rows.view(inputs.cache))
+    padded = _padded(model, inputs, pad)
+    out = run_on(model, padded, rows.view(padded.cache))
+    b = inputs.input_ids.shape[0]
+    return tuple(o[:b] for o in out) if isinstance(out, tuple) else out[:b]
+
+
+def _padded(model: Model, inputs: ForwardInputs, pad: int) -> ForwardInputs:
+    """``inputs`` with ``pad`` rows of mask ids after the real ones, every position of them a
+    valid key (no empty softmax), in buffers kept per shape (a step copies its rows in)."""
+    if inputs.rows is not None:
+        raise DinferError("per-row query windows are never padded to a graph's batch size")
+    ids = inputs.input_ids
+    b, n = ids.shape
+    rows = b + pad
+    key = ("graph_pad_ids", rows, n, ids.dtype, ids.device)
+    buf = model._memo(key, lambda: torch.full((rows, n), model.mask_id, dtype=ids.dtype, device=ids.device))
+    buf[:b].copy_(ids)
+    buf[b:].fill_(model.mask_id)  # a smaller batch of this bucket may have left real ids there
+    mask = inputs.attention_mask
+    if mask is not None:
+        key = ("graph_pad_mask", rows, n, mask.dtype, mask.device)
+        full = model._memo(key, lambda: torch.ones((rows, n), dtype=mask.dtype, device=mask.device))
+        full[:b].copy_(mask)
+        full[b:].fill_(1)
+        mask = full
+    cache = inputs.cache
+    if cache is not None:
+        cache = (cache[0], cache[1] + pad, cache[2])
+    return dataclasses.replace(inputs, input_ids=buf, attention_mask=mask, cache=cache, pad_rows=0)
+
+
+def _run(model: Model, inputs: ForwardInputs, cache: KVCache | None):
     if inputs.rows is not None:
         w = inputs.rows
         return model.forward_rows(
@@ -132,7 +207,7 @@ class LocalRunner:
         self.rows.move(moves)
 
     def __call__(self, inputs: ForwardInputs):
-        return run_on(self.model, inputs, self.rows.view(inputs.cache))
+        return run_rows(self.model, inputs, self.rows)
 
 
 class LeadRunner(LocalRunner):
@@ -225,7 +300,7 @@ def follow(model: Model, group, src: int, alive: Callable[[], bool] = lambda: Tr
         msg = box[0]
         kind = msg[0]
         if kind == "run":
-            run_on(model, msg[1], rows.view(msg[1].cache))
+            run_rows(model, msg[1], rows)
             forwards += 1
         elif kind == "bind":
             pool = rows.pool

@@ -10,8 +10,12 @@ Fields real clients send and this server has no use for (``user``, ``metadata``,
 are ignored, as OpenAI-compatible servers ignore them, with one exception: an unknown field close
 to one of this server's own knobs (``treshold``, ``block_len``) is a 400 naming the likely field,
 since ignoring it would silently decode with the default. Fields that would change the answer
-and cannot be honoured (``top_p`` below 1, ``logprobs``, ``tools``, a JSON ``response_format``)
-are a 400 unless they hold the neutral value clients send by default.
+and cannot be honoured (``top_p`` below 1, ``tools``, a JSON ``response_format``) are a 400
+unless they hold the neutral value clients send by default.
+
+``logprobs`` (completions: an integer in [0, 5], the top alternatives per token; chat: a boolean
+with ``top_logprobs`` in [0, 20]) reports each answer token's log-probability under the forward
+that made it final (a diffusion model has no left-to-right distribution): ``SamplingParams.logprobs``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dinfer_rt.errors import DinferError, TokenizerError
-from dinfer_rt.sampling import MAX_STOP, SamplingParams
+from dinfer_rt.sampling import MAX_LOGPROBS, MAX_STOP, SamplingParams
 from dinfer_rt.strategies import preset_fields
 from dinfer_rt.tokenizer import refuse_mask_token
 
@@ -56,8 +60,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0,),
     "presence_penalty": (0,),
     "best_of": (1,),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "logit_bias": ({},),
     "suffix": ("",),
     "tools": ([],),
@@ -73,8 +75,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 # Why a non-neutral value is refused, appended to the 400's message.
 _WHY_REFUSED = {
-    "logprobs": "logprobs not supported yet (no per-token log-probabilities are reported)",
-    "top_logprobs": "logprobs not supported yet (no per-token log-probabilities are reported)",
     "tools": "tool calling is not supported",
     "tool_choice": "tool calling is not supported",
     "functions": "tool calling is not supported",
@@ -90,14 +90,18 @@ IGNORED_FIELDS = frozenset(
 )
 OPENAI_FIELDS = frozenset(
     {"model", "max_tokens", "max_completion_tokens", "temperature", "seed", "stop", "stream", "stream_options"}
-    | {"n", "echo", "prompt", "messages", *_NEUTRAL, *IGNORED_FIELDS}
+    | {"n", "echo", "prompt", "messages", "logprobs", "top_logprobs", *_NEUTRAL, *IGNORED_FIELDS}
 )
 SHOWN_CHARS = 80  # an error echoes at most this much of a client's value
 MAX_PROMPTS = 256  # prompts in one /v1/completions batch
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions ``logprobs``: OpenAI's legacy bound (chat: MAX_LOGPROBS)
+LOGPROB_FLOOR = -9999.0  # a log-probability of -inf is reported as this (JSON has no infinity)
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "seed", "stop", "stream", "n"}
 _COMMON |= {"stream_options", "return_canvas", *DIFFUSION_FIELDS, *_NEUTRAL, *IGNORED_FIELDS}
+_COMMON |= {"logprobs", "top_logprobs"}
 _COMMON |= {"allow_mask_in_prompt"}  # infilling on purpose: the prompt may hold the mask token
 _COMMON |= {"preset", "stream_provisional"}  # named decoding settings; an editing rule's provisional tail
+_COMMON |= {"priority"}  # vLLM's scheduling priority: lower is admitted first
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
 CHAT_FIELDS = _COMMON | {"messages", "chat_template_kwargs", "echo"}
 ROLES = ("system", "user", "assistant")
@@ -118,6 +122,7 @@ class Submission:
     continuous_usage: bool = False  # every streamed chunk carries usage (vLLM's continuous_usage_stats)
     echo: list[str] | None = None  # completions ``echo``: each prompt's text, put before its answer
     stream_provisional: bool = False  # also stream the provisional tail (an editing rule's open block), marked
+    priority: int = 0  # vLLM's meaning: the engine's wait queue admits lower first, FIFO within a priority
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -216,6 +221,7 @@ def parse(
     n = _int(body, "n", 1)
     if n is not None and n != 1:
         raise ApiError(400, f"'n' must be 1 (one choice per prompt), got {n}", "n")
+    priority = _int(body, "priority", -(2**63), 2**63 - 1) or 0
     stream = bool(_bool(body, "stream"))
     include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
     canvas = bool(_bool(body, "return_canvas"))
@@ -226,6 +232,7 @@ def parse(
         why = "'stream_provisional' streams text that may still change: it needs 'stream': true"
         raise ApiError(400, why, "stream_provisional")
     echo = bool(_bool(body, "echo"))
+    logprobs = _logprobs(body, chat, echo)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise ApiError(400, f"'user' must be a string, got {_type_name(user)} {_shown(user)}", "user")
@@ -261,6 +268,8 @@ def parse(
     if seed is not None:
         fields["seed"] = seed
     fields["stop"] = _stop(body.get("stop"))
+    if logprobs is not None:
+        fields["logprobs"] = logprobs
     params = dataclasses.replace(defaults, **fields, chat=False)
     block = params.block_length
     if not isinstance(block, int) or isinstance(block, bool) or block < 1:
@@ -296,9 +305,11 @@ def parse(
         shown = [
             t if t is not None else tokenizer.decode(ids, skip_special_tokens=False) for t, ids in zip(texts, prompts)
         ]
-    return Submission(
+    sub = Submission(
         prompts, params, max_tokens, stream, include_usage, canvas, chat, continuous_usage, shown, provisional
     )
+    sub.priority = priority
+    return sub
 
 
 def refuse_misspelt_knobs(body: dict, allowed: set[str]) -> None:
@@ -342,6 +353,38 @@ def _stream_options(options: Any, stream: bool) -> tuple[bool, bool]:
     if any(flags) and not stream:  # options that ask for nothing are accepted on any request
         raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
     return flags[0], flags[1]
+
+
+def _logprobs(body: dict, chat: bool, echo: bool) -> int | None:
+    """The top alternatives per token a request asks log-probabilities for (None: none). Chat:
+    ``logprobs`` a boolean and ``top_logprobs`` in [0, 20] (which needs ``logprobs``: true);
+    completions: ``logprobs`` an integer in [0, 5] (OpenAI's legacy API; ``false`` is off) and
+    not with ``echo`` (prompt tokens have no log-probability here)."""
+    if chat:
+        on = _bool(body, "logprobs")
+        top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+        if top and not on:
+            raise ApiError(400, f"'top_logprobs' {top} needs 'logprobs': true", "top_logprobs")
+        return (top or 0) if on else None
+    if not _neutral(body.get("top_logprobs"), (0,)):
+        raise ApiError(
+            400, "'top_logprobs' is a /v1/chat/completions field: on /v1/completions 'logprobs' is the number of "
+            f"top alternatives per token, an integer in [0, {MAX_COMPLETION_LOGPROBS}]", "top_logprobs",
+        )  # fmt: skip
+    v = body.get("logprobs")
+    if v is None or v is False:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COMPLETION_LOGPROBS:
+        raise ApiError(
+            400, f"'logprobs' must be an integer in [0, {MAX_COMPLETION_LOGPROBS}] (the top alternatives per "
+            f"token) on /v1/completions, got {_shown(v)}", "logprobs",
+        )  # fmt: skip
+    if echo:
+        raise ApiError(
+            400, "'echo' with 'logprobs' is not supported: prompt tokens have no log-probability here (only the "
+            "answer's tokens, under the forward that made each final)", "logprobs",
+        )  # fmt: skip
+    return v
 
 
 def _max_tokens(body: dict, budget: int) -> tuple[str, int | None]:
@@ -541,18 +584,69 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def response(rid: str, model: str, chat: bool, answers: list[tuple[str, str]], use: dict) -> dict:
-    """The whole answer: one choice per ``(text, finish_reason)`` (several for a completions batch)."""
+def _logprob(v: float) -> float:
+    return v if v > LOGPROB_FLOOR else LOGPROB_FLOOR  # -inf (and nan) are not JSON
+
+
+def choice_logprobs(
+    tok,
+    chat: bool,
+    ids: list[int],
+    lps: list[float],
+    tops: list[list[tuple[int, float]]],
+    start: int = 0,
+    end: int | None = None,
+) -> dict:
+    """A choice's ``logprobs`` object for its answer tokens ``ids[start:end]`` (a streamed chunk:
+    the tokens it carries) with their log-probabilities ``lps`` and top alternatives ``tops``
+    (aligned with ``ids``). Chat: ``{"content": [{token, logprob, bytes, top_logprobs}]}``;
+    completions (OpenAI's legacy form): ``tokens``, ``token_logprobs``, ``top_logprobs`` (per
+    token a dict of the top alternatives and the token itself) and ``text_offset`` (each token's
+    character offset in the choice's text). A token's text is its own decoding (special tokens
+    included), ``bytes`` its UTF-8."""
+    end = len(ids) if end is None else end
+
+    def text(t: int) -> str:
+        return tok.decode([t], skip_special_tokens=False)
+
+    span = range(start, end)
+    if chat:
+        content = []
+        for i in span:
+            s = text(ids[i])
+            alts = [{"token": (a := text(t)), "logprob": _logprob(v), "bytes": list(a.encode())} for t, v in tops[i]]
+            content.append({"token": s, "logprob": _logprob(lps[i]), "bytes": list(s.encode()), "top_logprobs": alts})
+        return {"content": content}
+    tokens = [text(ids[i]) for i in span]
+    top = []
+    for i, s in zip(span, tokens):
+        alts = {text(t): _logprob(v) for t, v in tops[i]}
+        alts.setdefault(s, _logprob(lps[i]))  # the chosen token always (up to logprobs + 1 entries)
+        top.append(alts)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_logprob(lps[i]) for i in span],
+        "top_logprobs": top,
+        "text_offset": [len(tok.decode(ids[:i])) for i in span],
+    }
+
+
+def response(
+    rid: str, model: str, chat: bool, answers: list[tuple[str, str]], use: dict, logprobs: list[dict] | None = None
+) -> dict:
+    """The whole answer: one choice per ``(text, finish_reason)`` (several for a completions batch);
+    ``logprobs``: each choice's (:func:`choice_logprobs`), when asked."""
     created = int(time.time())
+    lp = logprobs or [None] * len(answers)
     if chat:
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": None}
+            {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": lp[i]}
             for i, (text, reason) in enumerate(answers)
         ]
         kind = "chat.completion"
     else:
         choices = [
-            {"index": i, "text": text, "finish_reason": reason, "logprobs": None}
+            {"index": i, "text": text, "finish_reason": reason, "logprobs": lp[i]}
             for i, (text, reason) in enumerate(answers)
         ]
         kind = "text_completion"
@@ -568,17 +662,19 @@ def chunk(
     *,
     index: int = 0,
     use: dict | None = None,
+    logprobs: dict | None = None,
     **extra,
 ) -> dict:
     """One streamed chunk of choice ``index``; ``text`` None with chat is the opening chunk (the
-    assistant role); ``use``: the usage so far (``continuous_usage_stats``)."""
+    assistant role); ``use``: the usage so far (``continuous_usage_stats``); ``logprobs``: those
+    of the tokens this chunk carries (:func:`choice_logprobs`), when asked."""
     created = int(time.time())
     if chat:
         delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None, **extra}
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs, **extra}
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": None, **extra}
+        choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs, **extra}
         kind = "text_completion"
     out = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
     if use is not None:

@@ -23,6 +23,7 @@ STRATEGIES = (
     "joint_threshold",
 )
 MAX_STOP = 16
+MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI chat's top_logprobs bound)
 CACHES = ("none", "prefix", "dual", "vicinity", "adaptive", "anchored", "delayed")
 
 # field -> (type, lower bound, upper bound, lower bound exclusive); None: unbounded. Floats that
@@ -56,8 +57,9 @@ _FIELD_RULES: dict[str, tuple[type, float | None, float | None, bool]] = {
     "seed": (int, 0, 2**63 - 1, False),
     "chat": (bool, None, None, False),
     "precision_refresh": (bool, None, None, False),
+    "logprobs": (int, 0, MAX_LOGPROBS, False),
 }
-_OPTIONAL = {"steps", "refresh_bound", "refresh_window", "block_length"}
+_OPTIONAL = {"steps", "refresh_bound", "refresh_window", "block_length", "logprobs"}
 DEFAULT_BLOCK_LENGTH = 40  # a bidirectional family's block when a request sets none
 
 
@@ -109,6 +111,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings: a row ends at the block in which one is final; text cut there
     precision_schedule: str | None = None  # e.g. "int8@0.5,fp32": cheap forwards while the block is mostly masked
     precision_refresh: bool = False  # recompute cached K/V at the first full-precision forward after cheap ones
+    # record each final token's log-probability under the forward that made it final (the forward
+    # that committed it; an editing rule: of its last write), with this many top alternatives
+    # (0: the token's own only); None: off. Takes the logits path (no fused confidence head)
+    logprobs: int | None = None
 
     def validate(self, block_causal: bool = False) -> SamplingParams:
         """Every field's type and range, then the rules between fields; the first problem is

@@ -30,14 +30,23 @@ from collections import deque
 from dataclasses import dataclass
 
 import dinfer_rt
-from dinfer_rt.engine import Engine, EngineClosed, QueueFull, Request
+from dinfer_rt.engine import (
+    Engine,
+    EngineClosed,
+    QueueFull,
+    Request,
+    available_memory,
+    format_bytes,
+    kv_pool_plan,
+)
 from dinfer_rt.engine_args import EngineArgs
-from dinfer_rt.errors import DinferError
+from dinfer_rt.errors import DinferError, GenerationError
 from dinfer_rt.model import Model
 from dinfer_rt.openai_protocol import (
     SHOWN_CHARS,
     ApiError,
     Submission,
+    choice_logprobs,
     chunk,
     new_id,
     parse,
@@ -128,60 +137,55 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def kv_pool_bytes(spec, dtype, max_num_seqs: int, max_model_len: int) -> int:
-    """Bytes of the engine's KV pool: K and V per layer, ``[max_num_seqs, max_model_len + 1,
-    n_kv_heads, head_dim]`` each (one position is the padding scratch slot)."""
-    import torch
-
-    item = torch.empty((), dtype=dtype).element_size()
-    return 2 * spec.n_layers * max_num_seqs * (max_model_len + 1) * spec.n_kv_heads * spec.head_dim * item
-
-
-def available_memory(device) -> int | None:
-    """Free memory where the KV pool would live: MemAvailable on the CPU, the free device memory
-    on CUDA / ROCm; None where unknown (other devices)."""
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as fh:
-                for line in fh:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            return None
-        return None
-    if device.type == "cuda":
-        import torch
-
-        try:
-            return int(torch.cuda.mem_get_info(device)[0])
-        except Exception:  # no usable runtime here: unknown
-            return None
-    return None
-
-
-def check_pool(spec, dtype, device, config: ServeConfig, replicas: int = 1) -> int:
+def check_pool(spec, dtype, device, config: ServeConfig, replicas: int = 1, graphs: bool = False) -> int:
     """The serving length (``--max-model-len``, else the model's ``max_sequence_length``) and the
-    KV pool it implies, before the pool is allocated: a length past the model's, or a pool larger
-    than the free memory, is an error naming both and the flags to change. Returns the length."""
+    KV pool it implies, before the pool is allocated, sized by the engine's own arithmetic
+    (``engine.kv_pool_plan``: ``--max-num-seqs`` rows, or as many as ``--kv-cache-memory`` /
+    ``--kv-cache-memory-fraction`` hold; ``graphs``: with the padding rows of the device-graph
+    buckets). A length past the model's, a budget below one row, or a pool larger than the free
+    memory is an error naming the sizes and the flags to change. Returns the length."""
     length = config.max_model_len if config.max_model_len is not None else spec.max_length
     if length > spec.max_length:
         raise DinferError(f"serve: --max-model-len {length} exceeds the model's max_sequence_length {spec.max_length}")
     if device is None:  # the length only
         return length
-    need = replicas * kv_pool_bytes(spec, dtype, config.max_num_seqs, length)
     free = available_memory(device)
+    args = EngineArgs.build(**{"max_num_seqs": config.max_num_seqs, **config.engine_args})
+    try:
+        plan = kv_pool_plan(spec, dtype, args, length, graphs=graphs, free=free)
+    except GenerationError as e:
+        raise DinferError(f"serve: {e}") from None
+    need = replicas * plan.nbytes
     if free is not None and need > free:
         shape = (
-            f"{f'{replicas} replicas x ' if replicas > 1 else ''}2 x {spec.n_layers} layers x "
-            f"{config.max_num_seqs} rows x {length + 1} positions x "
-            f"{spec.n_kv_heads} KV heads x {spec.head_dim} x {dtype}"
+            f"{f'{replicas} replicas x ' if replicas > 1 else ''}{plan.pool_rows} rows x {plan.row_bytes} bytes "
+            f"({plan.shape})"
         )
         source = "--max-model-len" if config.max_model_len is not None else "the model's max_sequence_length"
+        if args.kv_cache_memory is not None:
+            rows = f"--kv-cache-memory ({args.kv_cache_memory} bytes)"
+        elif args.kv_cache_memory_fraction is not None:
+            rows = f"--kv-cache-memory-fraction ({args.kv_cache_memory_fraction} of the free memory, per replica)"
+        else:
+            rows = f"--max-num-seqs ({config.max_num_seqs})"
         raise DinferError(
             f"serve: the KV pool would need {_gib(need)} ({shape}) but {device.type} has {_gib(free)} free; "
-            f"lower --max-num-seqs ({config.max_num_seqs}) or --max-model-len ({length}, from {source})"
+            f"lower {rows} or --max-model-len ({length}, from {source})"
         )
     return length
+
+
+def kv_pool_summary(engine: Engine, config: ServeConfig) -> str:
+    """The start-up line on the engine's KV pool: the rows it took and their bytes."""
+    plan = engine.kv_plan
+    rows = f"{plan.rows} rows decode at once"
+    if plan.rows < config.max_num_seqs:
+        rows += f" (--max-num-seqs {config.max_num_seqs}: the budget holds {plan.rows})"
+    budget = "" if plan.budget is None else f", budget {format_bytes(plan.budget)} ({plan.budget} bytes)"
+    return (
+        f"dinfer-rt KV pool: {rows}; {plan.pool_rows} rows x {plan.positions} positions = "
+        f"{format_bytes(plan.nbytes)} ({plan.nbytes} bytes, {plan.row_bytes} per row{budget})"
+    )
 
 
 def check_before_load(config: ServeConfig, path=None, backend: str | None = None, dtype=None, replicas: int = 1):
@@ -314,9 +318,31 @@ class Metrics:
             "dinfer_prefix_cache_budget_bytes", "the prefix cache's byte budget (0: off)", registry=r
         )
         self._prefix_seen = (0, 0)  # prefix cache (queries, hit tokens) at the last read
+        # the engine's KV pool (set once at start-up; 0 where the engine runs in other processes)
+        self.kv_pool_rows = pc.Gauge(
+            "dinfer_kv_pool_rows", "rows decoding at once: --max-num-seqs, or what --kv-cache-memory holds", registry=r
+        )
+        self.kv_pool_bytes = pc.Gauge("dinfer_kv_pool_bytes", "bytes of the engine's KV-cache pool", registry=r)
         self._prefix_lock = threading.Lock()  # read from the engine thread and from /metrics
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, committed, rows)
         self._seen = (0, 0)  # engine.stats (computed, padded) at the last step
+        # device graphs per batch-size bucket (``Engine.graph_stats``; absent without graphs)
+        self.graphs = {
+            key: pc.Gauge(f"dinfer_graph_{key}", doc, registry=r)
+            for key, doc in (
+                ("captures", "device graphs captured (all executables)"),
+                ("replays", "device graph replays"),
+                ("eager_forwards", "engine forwards run eager on a graph backend (outside the buckets)"),
+                ("padded_rows", "rows added to reach a batch-size bucket"),
+                ("bytes", "device memory the captured graphs hold"),
+            )
+        }
+
+    def read_graphs(self, engine: Engine) -> None:
+        if getattr(engine, "graphs", False):
+            st = engine.graph_stats()
+            for key, gauge in self.graphs.items():
+                gauge.set(st["graph_bytes" if key == "bytes" else key])
 
     def on_step(self, seconds: float, engine: Engine, committed: int) -> None:
         now = time.perf_counter()
@@ -332,6 +358,7 @@ class Metrics:
         self.post_steps.inc(max(0, post - self._edits_seen[1]))
         self._edits_seen = (edits, post)
         self.read_prefix_cache(engine)
+        self.read_graphs(engine)
         self._recent.append((now, committed, engine.num_running))
         while self._recent and self._recent[0][0] < now - 5:
             self._recent.popleft()
@@ -350,7 +377,9 @@ class Metrics:
             self.latency.observe(req.finished - req.arrival)
 
     def read_prefix_cache(self, engine: Engine) -> None:
-        """The prefix cache's counters since the last read (an engine without one: zeros)."""
+        """The prefix cache's counters since the last read (an engine without one: zeros; a
+        :class:`~dinfer_rt.workers.ReplicaPool`, i.e. replicas or ``--engine-process``: the sums of
+        what its engine processes last relayed, ``workers.RelayedPrefixCache``)."""
         cache = getattr(engine, "prefix_cache", None)
         if cache is None:
             self.prefix_budget.set(0)
@@ -415,9 +444,16 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
 
     config.check()
     if isinstance(model, Model):  # the pool is checked before it is allocated (replicas: in cmd_serve)
-        check_pool(model.spec, model.dtype, model.backend.device(), config)
+        graphs = model.backend.replays_graphs() and config.engine_args.get("graphs") is not False
+        check_pool(model.spec, model.dtype, model.backend.device(), config, graphs=graphs)
     engine = Engine(model, **engine_kwargs(config, defaults)) if isinstance(model, Model) else model
+    if getattr(engine, "graphs", False):  # device graphs: each batch-size bucket captured before serving
+        engine.capture_graphs(defaults)
     metrics = Metrics()
+    metrics.read_graphs(engine)  # the warm-up's captures, before the first step
+    if isinstance(engine, Engine):  # engine processes (replicas, --engine-process) report no pool here
+        metrics.kv_pool_rows.set(engine.max_num_seqs)
+        metrics.kv_pool_bytes.set(engine.kv_pool_bytes)
     loop_holder = EngineLoop(engine, metrics)
     tok = model.tokenizer
     per_token = chars_per_token(tok)
@@ -455,6 +491,8 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
         try:
             for ids, listener in zip(sub.prompts, listeners):
                 options = {"listener": listener, "return_canvas": sub.return_canvas, **provisional}
+                if sub.priority:  # only when set, as stream_provisional
+                    options["priority"] = sub.priority
                 reqs.append(engine.submit(ids, sub.params, max_tokens=sub.max_tokens, **options))
         except DinferError as e:
             for req in reqs:
@@ -537,13 +575,18 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
             return error(failure(failed))
         echo = sub.echo or [""] * len(reqs)
         answers = [(shown + req.text, _openai_reason(req)) for shown, req in zip(echo, reqs)]
-        return response(rid, config.model_name, chat, answers, _usage(reqs, sub))
+        lps = None
+        if sub.params.logprobs is not None:  # each choice's answer tokens
+            lps = [choice_logprobs(tok, chat, r.output_ids, r.logprobs, r.top_logprobs) for r in reqs]
+        return response(rid, config.model_name, chat, answers, _usage(reqs, sub), lps)
 
     async def _events(request, reqs: list[Request], queue: asyncio.Queue, sub: Submission, rid: str, chat: bool):
         """The SSE stream of one request: a chunk per choice whenever its final text grew."""
         name, first = config.model_name, True
         sent, done = [0] * len(reqs), [False] * len(reqs)
         shown_tail = [""] * len(reqs)  # stream_provisional: the provisional text each choice last sent
+        asked = sub.params.logprobs is not None
+        sent_tokens = [0] * len(reqs)  # logprobs: the answer tokens whose log-probabilities were sent
 
         def use(i: int, tokens: int) -> dict | None:  # continuous_usage_stats: usage on every chunk
             return usage(len(sub.prompts[i]), tokens) if sub.continuous_usage else None
@@ -570,11 +613,11 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
                             yield _sse(failure(req).body())
                             failed = True
                             break
-                        text, tokens = req.text, len(req.output_ids)
+                        text, tokens, kept = req.text, len(req.output_ids), req.output_ids
                     else:
                         kept = before_eos(final, eos)[: sub.max_tokens]
                         text = streamable(tok.decode(kept), sub.params.stop, final=False)
-                        tokens = _tokens_within(tok, kept, len(text)) if sub.continuous_usage else 0
+                        tokens = _tokens_within(tok, kept, len(text)) if sub.continuous_usage or asked else 0
                     delta, sent[i] = text[sent[i] :], max(sent[i], len(text))
                     extra = {"canvas": _canvas(tok, canvas, model.mask_id)} if sub.return_canvas and canvas else {}
                     if sub.stream_provisional:  # the text after the final text, which may still be revised
@@ -586,7 +629,13 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
                         metrics.ttft.observe(time.perf_counter() - req.arrival)
                     if delta or extra or finishing:
                         reason = _openai_reason(req) if finishing else None
-                        yield _sse(chunk(rid, name, chat, delta, reason, index=i, use=use(i, tokens), **extra))
+                        lps = None
+                        if asked:  # the tokens whose text this chunk completes (each token once)
+                            lo, sent_tokens[i] = min(sent_tokens[i], tokens), max(sent_tokens[i], tokens)
+                            lps = choice_logprobs(tok, chat, kept, req.logprobs, req.top_logprobs, lo, tokens)
+                        yield _sse(
+                            chunk(rid, name, chat, delta, reason, index=i, use=use(i, tokens), logprobs=lps, **extra)
+                        )
                     done[i] = finishing
             if not failed and sub.include_usage:
                 yield _sse(usage_chunk(rid, name, chat, _usage(reqs, sub)))
@@ -768,6 +817,8 @@ def serve(model, defaults: SamplingParams, config: ServeConfig) -> int:
             time.sleep(0.01)
         if not server.started:
             raise DinferError(f"dinfer-rt serve could not listen on {config.host}:{config.port} (see the log above)")
+        if isinstance(app.state.engine, Engine):
+            print(kv_pool_summary(app.state.engine, config), flush=True)
         print(f"dinfer-rt serving '{config.model_name}' on http://{config.host}:{config.port}", flush=True)
         loop.run()
         if loop.failure is not None:  # the engine is gone: say why, stop serving, exit non-zero

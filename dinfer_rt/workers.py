@@ -7,10 +7,12 @@ routes it to the replica with the fewest requests in flight (ties: round robin) 
 the replica's events ("update", "finish") onto a local :class:`~dinfer_rt.engine.Request`,
 which the server streams from exactly as it does for a local engine. :class:`ReplicaPool`
 offers the part of the engine interface the server uses (``submit``, ``abort``, ``close``,
-``step``, the counts, ``stats``), so the server's loop steps it like an engine: a pool step
-waits briefly for replica events. A replica that dies fails its requests with a message naming
-it; the others keep serving. The replicas hold no weights in common and exchange nothing: each
-is one device's continuous-batching engine, as vLLM's data-parallel replicas are.
+``step``, the counts, ``stats``, ``prefix_cache``: each replica's step counters and prefix-cache
+stats, relayed with its step reports and finish events and summed), so the server's loop steps it
+like an engine: a pool step waits briefly for replica events. A replica that dies fails its
+requests with a message naming it; the others keep serving. The replicas hold no weights in
+common and exchange nothing: each is one device's continuous-batching engine, as vLLM's
+data-parallel replicas are.
 """
 
 from __future__ import annotations
@@ -20,16 +22,35 @@ import os
 import queue
 import threading
 import time
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from dinfer_rt.engine import EngineClosed, EngineStats, QueueFull, Request, check_request, notify
 from dinfer_rt.errors import DinferError, GenerationError
+from dinfer_rt.prefix_cache import PrefixCacheStats
 from dinfer_rt.sampling import SamplingParams
 
 _STAT_FIELDS = tuple(f.name for f in fields(EngineStats))
+_PREFIX_FIELDS = tuple(f.name for f in fields(PrefixCacheStats))
+_PREFIX_GAUGES = ("blocks", "bytes")  # what a dead replica no longer holds (the rest are counters)
+
+
+class RelayedPrefixCache(NamedTuple):
+    """The replicas' prefix caches as the front end knows them: the stats each replica last
+    reported, summed, and their budgets summed (what ``server.Metrics.read_prefix_cache`` reads of a
+    :class:`~dinfer_rt.prefix_cache.PrefixCache`)."""
+
+    stats: PrefixCacheStats
+    budget: int
+
+
+def _prefix_report(engine) -> dict | None:
+    """The engine's prefix-cache stats and budget, to relay (None: it has no prefix cache)."""
+    cache = engine.prefix_cache
+    return None if cache is None else {**asdict(cache.stats), "budget": cache.budget}
 
 
 class ReplicaError(DinferError):
@@ -95,15 +116,22 @@ def replica_main(
             leave_group(wait=False)
         return
     info = {"eos_ids": model.eos_ids, "mask_id": model.mask_id, "max_model_len": engine.max_model_len}
+    info["prefix_cache"] = _prefix_report(engine)
     outbox.put(("ready", index, {**info, "block_size": engine.block_size, "pid": os.getpid()}))
 
     def listener(req: Request, event: str) -> None:
         msg = {"final_ids": list(req.final_ids), "canvas": None if req.canvas is None else list(req.canvas)}
         msg.update(provisional=list(req.provisional_ids), edits=req.edits, post_steps=req.post_steps)
+        if req.params.logprobs is not None:  # aligned with final_ids
+            msg.update(logprobs=list(req.logprobs), top_logprobs=list(req.top_logprobs))
+        msg["cached_tokens"] = req.cached_tokens  # known from admission on (usage.prompt_tokens_details)
         if event == "finish":
             err = None if req.error is None else f"{type(req.error).__name__}: {req.error}"
             msg.update(reason=req.finish_reason, error=err, output_ids=req.output_ids, text=req.text)
             msg["forwards"] = req.forwards
+            # the cache's counters as of this finish (its lookup counted), so /metrics read after
+            # the answer already counts it (the step report that follows also carries them)
+            msg["prefix_cache"] = _prefix_report(engine)
         outbox.put(("event", index, req.id, event, msg))
 
     try:
@@ -114,7 +142,8 @@ def replica_main(
             if engine.has_work():
                 engine.step()
                 stats = {k: getattr(engine.stats, k) for k in _STAT_FIELDS}
-                outbox.put(("step", index, {**stats, "running": engine.num_running, "waiting": engine.num_waiting}))
+                stats.update(running=engine.num_running, waiting=engine.num_waiting)
+                outbox.put(("step", index, {**stats, "prefix_cache": _prefix_report(engine)}))
             elif runner is not None:  # followers wait in a collective: keep it short of the timeout
                 runner.send(("idle",))
     except RuntimeError:  # a collective failed: a follower rank is gone (the front end names it)
@@ -180,7 +209,7 @@ def _apply(commands: list, engine, listener, outbox, index: int) -> bool:
             try:
                 engine.submit(
                     prompt, params, max_tokens=max_tokens, request_id=rid, listener=listener, return_canvas=canvas,
-                    stream_provisional=bool(extra and extra[0]),
+                    stream_provisional=bool(extra and extra[0]), priority=extra[1] if len(extra) > 1 else 0,
                 )  # fmt: skip
             except GenerationError as e:  # the front end checked it; refuse it as an error, not a hang
                 if listener is not None:
@@ -288,6 +317,7 @@ class ReplicaPool:
         self.eos_ids, self.mask_id, self.max_model_len = info["eos_ids"], info["mask_id"], info["max_model_len"]
         self.block_size = info["block_size"]
         self.pids = [ready[i]["pid"] for i in range(replicas)]
+        self._prefix = [ready[i].get("prefix_cache") for i in range(replicas)]  # per replica, its last report
         self.tokenizer = Tokenizer(path, self.spec.vocab)
         self.capacity = engine_kwargs.get("max_num_seqs", 16) + max_queue
         self.replicas = replicas
@@ -314,6 +344,7 @@ class ReplicaPool:
         listener=None,
         return_canvas: bool = False,
         stream_provisional: bool = False,
+        priority: int = 0,
     ) -> Request:
         max_tokens = check_request(
             prompt, params, max_tokens, vocab=self.spec.vocab, max_model_len=self.max_model_len,
@@ -335,8 +366,9 @@ class ReplicaPool:
             self.inflight[req.id] = (req, i)
             self.load[i] += 1
             self.served[i] += 1
-        req.stream_provisional = stream_provisional
-        self.inboxes[i].put(("submit", req.id, list(prompt), params, max_tokens, return_canvas, stream_provisional))
+        req.stream_provisional, req.priority = stream_provisional, priority
+        cmd = ("submit", req.id, list(prompt), params, max_tokens, return_canvas, stream_provisional, priority)
+        self.inboxes[i].put(cmd)
         return req
 
     def abort(self, request_id: str) -> None:
@@ -365,6 +397,16 @@ class ReplicaPool:
     def has_work(self) -> bool:
         return bool(self.inflight)
 
+    @property
+    def prefix_cache(self) -> RelayedPrefixCache | None:
+        """The replicas' prefix caches summed (None: no replica has one). A dead replica's
+        counters stay counted (Prometheus counters never go down); its blocks and bytes do not."""
+        reports = [r for r in self._prefix if r is not None]
+        if not reports:
+            return None
+        stats = PrefixCacheStats(**{k: sum(r[k] for r in reports) for k in _PREFIX_FIELDS})
+        return RelayedPrefixCache(stats, sum(r["budget"] for r in reports))
+
     def step(self) -> list[Request]:
         """Apply the replicas' events (waiting up to 50 ms for the first); the finished requests."""
         finished: list[Request] = []
@@ -381,7 +423,10 @@ class ReplicaPool:
             if msg[0] == "event":
                 self._on_event(*msg[1:], finished)
             elif msg[0] == "step":
-                self._reported[msg[1]] = msg[2]
+                report = dict(msg[2])
+                if "prefix_cache" in report:
+                    self._prefix[msg[1]] = report.pop("prefix_cache")
+                self._reported[msg[1]] = report
                 for k in _STAT_FIELDS:
                     setattr(self.stats, k, sum(r[k] for r in self._reported))
         self._check_alive(finished)
@@ -426,9 +471,14 @@ class ReplicaPool:
         req = entry[0]
         req.final_ids, req.canvas = msg["final_ids"], msg.get("canvas")
         req.provisional_ids = msg.get("provisional", [])
+        if "logprobs" in msg:
+            req.logprobs, req.top_logprobs = msg["logprobs"], msg["top_logprobs"]
         req.edits, req.post_steps = msg.get("edits", 0), msg.get("post_steps", 0)
+        req.cached_tokens = msg.get("cached_tokens", 0)
         req.status = "running"
         if event == "finish":
+            if msg.get("prefix_cache") is not None:
+                self._prefix[index] = msg["prefix_cache"]
             req.output_ids, req.text = msg.get("output_ids", []), msg.get("text", "")
             req.forwards = msg.get("forwards", 0)
             error = msg.get("error")
@@ -456,6 +506,8 @@ class ReplicaPool:
             if dead:
                 self.alive[i] = False
                 self._reported[i] = {**self._reported[i], "running": 0, "waiting": 0}
+                if self._prefix[i] is not None:  # its counters stay; the blocks it held are gone
+                    self._prefix[i] = {**self._prefix[i], **dict.fromkeys(_PREFIX_GAUGES, 0)}
                 for p in self.ranks[i]:  # the group's other ranks would wait on the dead one forever
                     if p.exitcode is None:
                         p.terminate()

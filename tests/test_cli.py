@@ -128,3 +128,25 @@ def test_atomic_write_interrupted_mid_rename_leaves_nothing(tmp_path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         write_text_atomic(tmp_path / "out.md", "x" * 10000)
     assert not list(tmp_path.iterdir())
+
+
+def test_generate_passes_the_engine_flags_to_the_engine(ckpt_dir, capsys, monkeypatch):
+    """The engine flags of ``generate`` reach its engine (they were once dropped on one process):
+    --graphs on is refused by the cpu backend; the others arrive as given."""
+    model = str(ckpt_dir("llada"))
+    argv = ["generate", "abc", "--model", model, "--gen-length", "4", "--block-length", "4"]
+    assert main([*argv, "--graphs", "on"]) == 2
+    assert "graphs=True but backend cpu replays no device graphs" in capsys.readouterr().err
+    seen = []
+    import dinfer_rt.llm as llm_mod
+
+    real = llm_mod.LLM.__init__
+
+    def spy(self, *args, **kw):
+        seen.append(kw)
+        real(self, *args, **kw)
+
+    monkeypatch.setattr(llm_mod.LLM, "__init__", spy)
+    assert main([*argv, "--sync-every", "2", "--max-forward-tokens", "64", "--no-confidence-head"]) == 0
+    assert seen[-1]["sync_every"] == 2 and seen[-1]["max_forward_tokens"] == 64
+    assert seen[-1]["confidence_head"] is False

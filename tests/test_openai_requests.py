@@ -172,10 +172,11 @@ REFUSED = [
     ("response-format-json-schema", True,
      {**_chat("ab"), "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
      "response_format", "only None or {'type': 'text'}"),
-    ("chat-logprobs", True, {**_chat("ab"), "logprobs": True}, "logprobs", "logprobs not supported yet"),
-    ("chat-top-logprobs", True, {**_chat("ab"), "top_logprobs": 3}, "top_logprobs", "logprobs not supported yet"),
-    ("completions-logprobs", False, {"prompt": P1, "logprobs": 2}, "logprobs", "logprobs not supported yet"),
-    ("completions-logprobs-0", False, {"prompt": P1, "logprobs": 0}, "logprobs", "logprobs not supported yet"),
+    ("chat-logprobs-not-bool", True, {**_chat("ab"), "logprobs": 2}, "logprobs", "must be a boolean"),
+    ("chat-top-logprobs-alone", True, {**_chat("ab"), "top_logprobs": 3}, "top_logprobs", "needs 'logprobs': true"),
+    ("completions-logprobs-6", False, {"prompt": P1, "logprobs": 6}, "logprobs", "an integer in [0, 5]"),
+    ("completions-logprobs-echo", False, {"prompt": P1, "logprobs": 0, "echo": True}, "logprobs",
+     "'echo' with 'logprobs'"),
     ("chat-echo", True, {**_chat("ab"), "echo": True}, "echo", "a /v1/completions field"),
     ("echo-not-bool", False, {"prompt": P1, "echo": "yes"}, "echo", "must be a boolean"),
     ("misspelt-threshold", False, {"prompt": P1, "treshold": 0.5}, "treshold", "did you mean 'threshold'"),
@@ -225,9 +226,11 @@ def test_the_openai_client_sees_tools_and_logprobs_refused_by_name(server):
     with pytest.raises(openai.BadRequestError, match="tool calling is not supported") as e:
         server.client.chat.completions.create(model=MODEL, messages=_chat("ab")["messages"], tools=[TOOL])
     assert e.value.body["param"] == "tools"
-    with pytest.raises(openai.BadRequestError, match="logprobs not supported yet") as e:
-        server.client.chat.completions.create(model=MODEL, messages=_chat("ab")["messages"], logprobs=True)
-    assert e.value.body["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError, match="must be in \\[0, 20\\]") as e:
+        server.client.chat.completions.create(
+            model=MODEL, messages=_chat("ab")["messages"], logprobs=True, top_logprobs=21
+        )
+    assert e.value.body["param"] == "top_logprobs"
     with pytest.raises(openai.BadRequestError, match="did you mean 'threshold'"):
         server.client.completions.create(model=MODEL, prompt=P1, extra_body={"thresold": 0.5})
 

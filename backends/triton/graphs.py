@@ -5,6 +5,12 @@ and every later call with that signature copies its inputs in and replays the gr
 instead of one per op, no Python dispatch in between. The KV caches, which the graph mutates in
 place, are bound by address (a new cache means a new capture); everything else is copied.
 
+A call may run eagerly instead (``eager=True``, or inside ``model_runner.eager_forwards``): the
+engine runs every forward whose shape is outside its batch-size buckets that way (per-row
+windows, a batch above the largest bucket), so captures stay bounded by buckets x window
+shapes. Each cache counts its captures (per batch rows), replays, eager calls and the device
+memory its graphs hold (the allocator's growth over each capture; 0 with a stand-in API).
+
 The device API sits behind ``GraphAPI`` so the bookkeeping is tested on the CPU with a stand-in
 that replays by re-running; the real capture needs a GPU (``benchmarks/gpu_check.py`` compares
 graphed and eager forwards there).
@@ -12,7 +18,7 @@ graphed and eager forwards there).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -20,6 +26,7 @@ import torch
 
 from dinfer_rt.executor import Executable
 from dinfer_rt.ir import OPS
+from dinfer_rt.model_runner import graphs_allowed
 
 Run = Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -45,12 +52,17 @@ class GraphAPI:
             outputs = fn()
         return graph, outputs
 
+    def memory(self) -> int:
+        """Bytes the device allocator holds (a capture's growth: its graph's private pool)."""
+        return int(self.mod.memory_reserved())
+
 
 @dataclass
 class _Entry:
     graph: object
     static: dict[str, torch.Tensor]
     outputs: dict[str, torch.Tensor]
+    nbytes: int = 0  # device memory the capture added (its pool, static inputs and outputs)
 
 
 def mutated_inputs(exe: Executable) -> set[str]:
@@ -66,33 +78,57 @@ def mutated_inputs(exe: Executable) -> set[str]:
 class GraphCache:
     """Captured graphs per input signature (shapes, dtypes, and the addresses of in-place
     inputs), least recently used dropped beyond ``capacity`` (each graph holds a memory pool).
-    Outputs are the graph's static buffers: valid until the next call."""
+    Outputs are the graph's static buffers: valid until the next call. A call with ``eager``
+    runs ``run`` directly and captures nothing.
 
-    def __init__(self, run: Run, pinned: set[str], api, warmup: int = 2, capacity: int = 8) -> None:
+    ``capacity``: the engine's lockstep forwards need (batch-size buckets) x (window shapes:
+    the refresh and the block step per sequence length) graphs per executable, so the default
+    holds 5 buckets x 2 windows with room to spare."""
+
+    def __init__(self, run: Run, pinned: set[str], api, warmup: int = 2, capacity: int = 16) -> None:
         self.run, self.pinned, self.api, self.warmup, self.capacity = run, pinned, api, warmup, capacity
         self.entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self.captures = 0
+        self.replays = 0
+        self.eager = 0  # calls run eagerly on request (shapes outside the engine's buckets)
+        self.evictions = 0
+        self.nbytes = 0  # device memory the live graphs hold
+        self.captures_by_rows: Counter[int] = Counter()  # captures per batch rows (input_ids' first dim)
 
     def signature(self, inputs: Mapping[str, torch.Tensor]) -> tuple:
         return tuple(
             (n, tuple(t.shape), t.dtype, t.data_ptr() if n in self.pinned else None) for n, t in sorted(inputs.items())
         )
 
-    def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _memory(self) -> int:
+        memory = getattr(self.api, "memory", None)  # a stand-in API may have none: 0
+        return memory() if memory is not None else 0
+
+    def __call__(self, inputs: Mapping[str, torch.Tensor], eager: bool = False) -> dict[str, torch.Tensor]:
+        if eager:
+            self.eager += 1
+            return self.run(inputs)
         key = self.signature(inputs)
         entry = self.entries.get(key)
         if entry is None:
+            before = self._memory()
             static = {n: t.clone() for n, t in inputs.items() if n not in self.pinned}
             args = {**inputs, **static}
             graph, outputs = self.api.capture(lambda: self.run(args), self.warmup)
-            entry = self.entries[key] = _Entry(graph, static, outputs)
+            entry = self.entries[key] = _Entry(graph, static, outputs, max(0, self._memory() - before))
             self.captures += 1
+            self.nbytes += entry.nbytes
+            ids = inputs.get("input_ids")
+            self.captures_by_rows[ids.shape[0] if ids is not None and ids.dim() else 0] += 1
             if len(self.entries) > self.capacity:
-                self.entries.popitem(last=False)
+                _, dropped = self.entries.popitem(last=False)
+                self.nbytes -= dropped.nbytes
+                self.evictions += 1
         else:
             self.entries.move_to_end(key)
             for n, buf in entry.static.items():
                 buf.copy_(inputs[n])
+            self.replays += 1
         entry.graph.replay()
         return entry.outputs
 
@@ -106,6 +142,7 @@ class GraphedExecutable(Executable):
             lambda inputs: Executable.__call__(self, inputs), mutated_inputs(exe), api or GraphAPI()
         )
 
-    def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def __call__(self, inputs: Mapping[str, torch.Tensor], eager: bool | None = None) -> dict[str, torch.Tensor]:
+        """``eager`` None: eager where the caller's runner says so (``model_runner.eager_forwards``)."""
         self.check_inputs(inputs)
-        return self.graphs(inputs)
+        return self.graphs(inputs, eager=not graphs_allowed() if eager is None else eager)
