@@ -28,14 +28,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import httpx
+import torch
 from tqdm import tqdm
 
 from dinfer_rt.demo import task
@@ -81,13 +84,19 @@ def offline(prompts: list[str], batch: int) -> dict:
     }
 
 
+# One HTTP client for every request, as a real client (the openai SDK) keeps one: creating an
+# httpx.Client costs ~20 ms of CPU (its SSL context), which a client per request would add to
+# every latency and take from the server's cores. httpx clients are thread-safe.
+_CLIENT = httpx.Client(limits=httpx.Limits(max_connections=512, max_keepalive_connections=512))
+
+
 def _stream_chat(url: str, body: dict, record: dict, timeout: float) -> None:
     """One streamed chat request into ``record``: its text, time to the first final text
     (``ttft``), ``usage``, start and end times (``error`` on a refused request)."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     record.update(start=t0, text="", ttft=None)
-    with httpx.Client(timeout=timeout) as client, client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+    with _CLIENT.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout) as r:
         if r.status_code != 200:
             record["error"] = f"{r.status_code}: {r.read()[:200]!r}"
             return
@@ -411,6 +420,11 @@ def main() -> None:
         help="embedded workload: the server's process models to measure, comma-separated (in-process: HTTP and the "
         "engine in one process; engine-process: `serve --engine-process`)",
     )  # fmt: skip
+    ap.add_argument(
+        "--pin", action="store_true",
+        help="embedded workload: offline and the server on one CPU with one thread, the load generator on the "
+        "others (on a small machine the clients otherwise take the engine's cores)",
+    )  # fmt: skip
     ap.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
     ap.add_argument("--model", type=Path, default=None, help="prefix-cache workloads: a block-causal checkpoint")
     ap.add_argument(
@@ -433,8 +447,18 @@ def main() -> None:
     items = task.heldout(a.requests)
     rates = [float(r) for r in a.rates.split(",")]
 
+    launcher, env = None, None
+    if a.pin:  # the engine's CPU apart from the load generator's: offline and the server on CPU 0, clients on 1
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise SystemExit("--pin needs 2 CPUs (one for the engine, one for the load generator)")
+        os.sched_setaffinity(0, {cpus[0]})
+        torch.set_num_threads(1)
+        launcher, env = ["taskset", "-c", str(cpus[0]), sys.executable, "-m", "dinfer_rt"], {"OMP_NUM_THREADS": "1"}
     print("offline ...", flush=True)
     off = offline([it.letters for it in items], a.max_num_seqs)
+    if a.pin:
+        os.sched_setaffinity(0, set(cpus[1:]))
     modes = a.process_models.split(",")
     unknown = sorted(set(modes) - set(PROCESS_MODELS))
     if unknown:
@@ -442,7 +466,8 @@ def main() -> None:
     rows, padded, computed = [], 0.0, 0.0
     for mode in modes:
         server = ServerProcess(
-            "--max-num-seqs", str(a.max_num_seqs), *PROCESS_MODELS[mode], lifetime=a.deadline_s * (len(rates) + 1)
+            "--max-num-seqs", str(a.max_num_seqs), *PROCESS_MODELS[mode], lifetime=a.deadline_s * (len(rates) + 1),
+            launcher=launcher, env=env,
         )  # fmt: skip
         try:
             load(server.url, items[:4], float("inf"), 0, a.deadline_s)  # warm-up
@@ -455,9 +480,10 @@ def main() -> None:
         finally:
             server.stop()
 
+    pinned = "; offline and the server pinned to one CPU, one thread, the clients on the other" if a.pin else ""
     lines = [
         f"Embedded model, {a.requests} streamed chat requests per rate, threshold 0.9, block 8, gen 40, "
-        f"max_num_seqs {a.max_num_seqs}; offline batch {a.max_num_seqs}. One run on this machine.",
+        f"max_num_seqs {a.max_num_seqs}; offline batch {a.max_num_seqs}{pinned}. One run on this machine.",
         "",
         "| process model | offered req/s | completed | req/s | output tok/s | p50 s | p90 s | p99 s "
         "| first text p50 s | accuracy | load generator cores |",

@@ -138,6 +138,21 @@ def check_devices(backend, ranks_here: int) -> None:
         )
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or ``taskset``'s limit), not
+    the machine's count: threads sized from ``os.cpu_count()`` under ``taskset -c 0`` would
+    thrash one core."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API (macOS)
+        return os.cpu_count() or 1
+
+
+def threads_per_process(processes: int) -> int:
+    """torch threads for each of ``processes`` processes sharing this process's CPUs."""
+    return max(1, usable_cpus() // processes)
+
+
 @contextlib.contextmanager
 def sigint_ignored():
     """Processes started inside this block inherit an ignored SIGINT (it is kept through exec, and
@@ -156,7 +171,7 @@ def sigint_ignored():
 
 def _worker(rank, world, rendezvous, backend, fn, args, results, tp_size) -> None:
     os.environ.update({RENDEZVOUS_ENV: rendezvous, "RANK": str(rank), "WORLD_SIZE": str(world)})
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(threads_per_process(world))
     try:
         init_group(backend, rank, world, tp_size)
         value = fn(rank, world, *args)

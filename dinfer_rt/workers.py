@@ -76,13 +76,14 @@ def replica_main(
     (admission, decisions, reports) and its runner (``model_runner.LeadRunner``) broadcasts each
     forward's inputs to the group; every other rank only runs those forwards over its shard
     (``model_runner.follow``). The ranks never decide what to run on their own."""
+    from dinfer_rt import parallel
     from dinfer_rt.engine import Engine
     from dinfer_rt.loader import load_model
     from dinfer_rt.model_runner import LeadRunner, follow
     from dinfer_rt.parallel import RENDEZVOUS_ENV, bind_device, init_group, leave_group, load_sharded
     from dinfer_rt.plugins import select_backend
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (replicas * tp_size)))
+    torch.set_num_threads(parallel.threads_per_process(replicas * tp_size))
     _exit_when_orphaned(index, tp_rank)
     lead = tp_rank == 0
     group = runner = None
