@@ -512,3 +512,14 @@ def test_more_ranks_than_visible_devices_is_a_one_line_error(monkeypatch):
     with pytest.raises(parallel.ParallelError, match=r"^4 ranks on this machine but backend cuda sees 2 cuda device"):
         parallel.check_devices(TwoGpus(), 4)
     parallel.check_devices(dinfer_rt.plugins.select_backend("cpu"), 64)
+
+
+def test_worker_threads_follow_the_cpu_affinity_not_the_machine(monkeypatch):
+    """Under ``taskset -c 0`` (or a container's CPU set) a worker gets one thread per usable CPU,
+    not ``os.cpu_count()``'s: more would oversubscribe the cores it may run on."""
+    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(parallel.os, "cpu_count", lambda: 64)
+    assert parallel.usable_cpus() == 1
+    assert parallel.threads_per_process(1) == 1 and parallel.threads_per_process(4) == 1
+    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert parallel.threads_per_process(2) == 4
