@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 import torch
 
 from dinfer_rt.decode import BatchResult, Cohort, StopCheck, check_token_ids, forward_rows
-from dinfer_rt.engine_args import EngineArgs, graph_buckets, pool_rows
+from dinfer_rt.engine_args import EngineArgs, graph_buckets
 from dinfer_rt.errors import GenerationError
+from dinfer_rt.kv_pool import available_memory, format_bytes, kv_pool_plan
 from dinfer_rt.model import Model
 from dinfer_rt.model_runner import ForwardInputs, LocalRunner
 from dinfer_rt.prefix_cache import CachedBlock, PrefixCache, default_budget
@@ -158,124 +159,6 @@ def check_request(
     return max_tokens
 
 
-def format_bytes(n: float) -> str:
-    """``1.5 GiB``, ``585.0 KiB``, ``12 B``."""
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def available_memory(device) -> int | None:
-    """Free memory where the KV pool would live: MemAvailable on the CPU, the free device memory
-    on CUDA / ROCm; None where unknown (other devices)."""
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as fh:
-                for line in fh:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            return None
-        return None
-    if device.type == "cuda":
-        try:
-            return int(torch.cuda.mem_get_info(device)[0])
-        except Exception:  # no usable runtime here: unknown
-            return None
-    return None
-
-
-def kv_row_bytes(spec, dtype: torch.dtype, positions: int, kv_heads: int | None = None) -> int:
-    """Bytes of ``positions`` positions of one KV pool row (``Model.new_cache``'s tensors): K and V
-    per layer, each ``positions x kv_heads x head_dim`` of ``dtype`` (``kv_heads``: a rank's share
-    under tensor parallelism; default the model's)."""
-    item = torch.empty((), dtype=dtype).element_size()
-    kv = spec.n_kv_heads if kv_heads is None else kv_heads
-    return 2 * spec.n_layers * positions * kv * spec.head_dim * item
-
-
-@dataclass(frozen=True)
-class KVPoolPlan:
-    """The engine's KV pool before it is allocated (:func:`kv_pool_plan`): the engine allocates it,
-    ``serve``'s start-up check measures it against the free memory."""
-
-    row_bytes: int  # one pool row: ``positions`` x layers x K and V x KV heads x head_dim x dtype
-    positions: int  # per row: max_model_len (+ 1 scratch slot)
-    rows: int  # rows decoded at once: max_num_seqs, or fewer under a budget
-    pool_rows: int  # rows allocated: ``rows``, and with device graphs the padding rows of its bucket
-    budget: int | None  # the byte budget (None: sized by max_num_seqs)
-    shape: str  # how a row's bytes are made, for messages
-
-    @property
-    def nbytes(self) -> int:
-        return self.pool_rows * self.row_bytes
-
-
-def kv_budget(args: EngineArgs, free: int | None) -> int | None:
-    """The KV pool's byte budget: ``kv_cache_memory``, or ``kv_cache_memory_fraction`` of ``free``
-    (the free memory after the weights, :func:`available_memory`); None: no budget."""
-    if args.kv_cache_memory is not None:
-        return args.kv_cache_memory
-    if args.kv_cache_memory_fraction is None:
-        return None
-    if free is None:
-        raise GenerationError(
-            "kv_cache_memory_fraction (--kv-cache-memory-fraction): the free memory of this device is unknown; "
-            "give the budget in bytes (kv_cache_memory, --kv-cache-memory)"
-        )
-    return int(free * args.kv_cache_memory_fraction)
-
-
-def kv_pool_plan(
-    spec,
-    dtype: torch.dtype,
-    args: EngineArgs,
-    max_model_len: int,
-    *,
-    scratch_slot: bool = True,
-    kv_heads: int | None = None,
-    graphs: bool = False,
-    free: int | None = None,
-) -> KVPoolPlan:
-    """The rows of the engine's KV pool and their bytes, the one arithmetic the engine and
-    ``serve``'s start-up check share. A row is ``max_model_len`` (+ the scratch slot) positions x
-    layers x K and V x KV heads x head_dim x dtype bytes. Without a budget: ``max_num_seqs`` rows
-    (with device graphs, the pool also holds the padding rows of its bucket). With one
-    (``kv_cache_memory``, or ``kv_cache_memory_fraction`` of ``free``): rows = min(max_num_seqs,
-    budget // row bytes), the bucket's padding rows only as far as the budget holds them (a forward
-    whose padding would not fit runs eagerly). A budget below one row is an error naming both."""
-    positions = max_model_len + int(scratch_slot)
-    row = kv_row_bytes(spec, dtype, positions, kv_heads)
-    kv = spec.n_kv_heads if kv_heads is None else kv_heads
-    item = torch.empty((), dtype=dtype).element_size()
-    shape = (
-        f"{positions} positions (max_model_len {max_model_len}{' + 1 scratch' if scratch_slot else ''}) x "
-        f"{spec.n_layers} layers x K and V x {kv} KV heads x head_dim {spec.head_dim} x {item} bytes "
-        f"({str(dtype).removeprefix('torch.')})"
-    )
-    budget = kv_budget(args, free)
-    if budget is None:
-        return KVPoolPlan(row, positions, args.max_num_seqs, pool_rows(args, graphs), None, shape)
-    fit = budget // row
-    if fit < 1:
-        if args.kv_cache_memory is not None:
-            source = "kv_cache_memory, --kv-cache-memory"
-        else:
-            source = (
-                f"kv_cache_memory_fraction {args.kv_cache_memory_fraction} (--kv-cache-memory-fraction) "
-                f"of {free} bytes free"
-            )
-        raise GenerationError(
-            f"the KV-cache budget of {budget} bytes ({format_bytes(budget)}; {source}) holds no pool row: one row "
-            f"needs {row} bytes ({format_bytes(row)}: {shape}); raise --kv-cache-memory (or "
-            f"--kv-cache-memory-fraction) to at least {row} bytes, or lower --max-model-len ({max_model_len})"
-        )
-    rows = min(args.max_num_seqs, fit)
-    pool = min(pool_rows(dataclasses.replace(args, max_num_seqs=rows), graphs), fit)
-    return KVPoolPlan(row, positions, rows, pool, budget, shape)
-
-
 def notify(req: Request, event: str) -> None:
     """Hand an event to the request's listener; a listener that fails (its client's event loop
     gone) must not stop the engine, so its error only detaches it."""
@@ -393,12 +276,18 @@ class Engine:
         return req
 
     def submit_batch(
-        self, prompts: list[list[int]], params: SamplingParams, *, stop: StopCheck | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        stop: StopCheck | None = None,
+        cohort: Cohort | None = None,
     ) -> list[Request]:
         """Queue a static batch: one cohort, its prompts left-padded into one frame, decoded in
         lockstep block by block (``LLM.generate``). ``stop`` is asked at the end of every block
-        for each row still running; a row it stops finishes like one that produced EOS."""
-        cohort = Cohort(self.model, prompts, params, self.args)
+        for each row still running; a row it stops finishes like one that produced EOS.
+        ``cohort``: the batch's cohort if the caller built it already (``run_batch``: built once)."""
+        cohort = cohort or Cohort(self.model, prompts, params, self.args)
         if cohort.b > self.max_num_seqs:
             raise GenerationError(f"a batch of {cohort.b} prompts exceeds max_num_seqs {self.max_num_seqs}")
         if cohort.n > self.max_model_len:
@@ -461,11 +350,12 @@ class Engine:
             cohort.cached_prefix = req.cached_tokens = PrefixCache.copy_into(chain, self.cache, cohort.start_row)
 
     def _prefix_siblings(self, cohort: Cohort, room: int) -> int:
-        """Requests admitted together: the prompt positions (whole blocks) the cohort being
-        admitted shares with the most of one of the next ``room`` waiting requests (those that
-        could be admitted in this step too) that will look the cache up; 0 if none. Its blocks
-        enter the cache only after its first forward, too late for a request admitted beside it,
-        so ``_admit`` computes the shared ones first (``_prefix_share``). Called with the lock held."""
+        """Requests admitted together: the most leading prompt positions (whole blocks before
+        the first decoded block) that the cohort being admitted shares with any one of the next
+        ``room`` waiting requests (those that may be admitted in this step too) that will look
+        the cache up; 0 if none. Its blocks enter the cache only after its first forward, too
+        late for a request admitted beside it, so ``_admit`` computes the shared ones first
+        (``_prefix_share``). Called with the lock held."""
         if room <= 0 or not self._prefix_reuses(cohort):
             return 0
         lb, prompt = cohort.block_size, cohort.requests[0].prompt
@@ -474,9 +364,14 @@ class Engine:
             other = group[0].cohort
             if len(group) != 1 or other.block_size != lb or not self._prefix_reuses(other):
                 continue
-            theirs, k, upto = group[0].prompt, 0, min(cohort.s, other.s)
-            while k + lb <= upto and prompt[k : k + lb] == theirs[k : k + lb]:
-                k += lb
+            theirs, upto = group[0].prompt, min(cohort.s, other.s)
+            if upto <= best or prompt[:lb] != theirs[:lb]:
+                continue
+            k = upto
+            if prompt[:upto] != theirs[:upto]:  # else every block is shared
+                k = lb
+                while k + lb <= upto and prompt[k : k + lb] == theirs[k : k + lb]:
+                    k += lb
             best = max(best, k)
         return best
 
@@ -486,10 +381,12 @@ class Engine:
         prefill does (exact for a block-causal model: its first forward then reads them from the
         pool), and cache them at once, so a sibling admitted next in this step copies them
         instead of computing them again. Returns the query slots computed."""
-        width = upto - cohort.cached_prefix
+        width, lb = upto - cohort.cached_prefix, cohort.block_size
         self._prefill_chunk(cohort, width)
         self.stats.shared_prefills += 1
-        self._prefix_insert(cohort, upto)
+        # its ids from the request (a lone row), not the device: no host sync in the middle of admission
+        chain = self.prefix_cache.insert(cohort.requests[0].prompt, lb, upto // lb, self.cache, cohort.start_row)
+        self._prefix_held.setdefault(cohort, []).extend(chain)
         return cohort.b * width
 
     def _prefix_insert(self, cohort: Cohort, upto: int) -> None:
@@ -949,14 +846,19 @@ class Engine:
         cohort.unreported = [0, 0]
         if cohort.step % cohort.sync_every:
             return  # read on the host where the cohort syncs: every sync_every steps
+        if not any(_watched(req) for req in cohort.requests):
+            return  # nothing to publish or stop on before the cohort ends (``_end_cohort`` reads it then)
         gen = cohort.generated().cpu()
         lengths = cohort.final_lengths(gen)
         for req in cohort.requests:
             if req.done:
                 continue
             row = gen[req.row]
+            if lengths[req.row] == len(req.final_ids) and not (req.return_canvas or req.stream_provisional):
+                continue  # nothing new is final (the common step inside a block): no list, no event
             final = row[: lengths[req.row]].tolist()
-            req.edits, req.post_steps = int(cohort.edits[req.row]), int(cohort.post_steps[req.row])
+            if cohort.editing:  # only editing rules count edits and post steps
+                req.edits, req.post_steps = int(cohort.edits[req.row]), int(cohort.post_steps[req.row])
             if req.return_canvas:
                 req.canvas, req.canvas_final = row.tolist(), len(final)
             revised = False
@@ -1067,6 +969,22 @@ def _take_logprobs(cohort: Cohort, req: Request) -> None:
         req.top_logprobs += top
 
 
+def _watched(req: Request) -> bool:
+    """Whether a running request needs its final tokens read after every step: someone listens
+    (streaming, a server), or it may end before its cohort does (early stop on EOS, a stop
+    string, ``max_tokens`` below the generation length). A static batch with none of these
+    (``early_stop=False``: benchmarks, validation) is read once, when its cohort ends."""
+    p = req.params
+    return not req.done and (
+        req.listener is not None
+        or p.early_stop
+        or bool(p.stop)
+        or req.max_tokens < p.gen_length
+        or req.return_canvas
+        or req.stream_provisional
+    )
+
+
 def batch_groups(cohort: Cohort, prompts: list[list[int]]) -> list[list[int]]:
     """How a static batch is split into cohorts (indices into ``prompts``): one cohort, unless a
     step's window would depend on which rows share it (one per prompt: each decodes as alone) or
@@ -1104,10 +1022,11 @@ def run_batch(
         args, max_num_seqs=len(prompts), max_num_batched_tokens=2**62, max_model_len=n, prefix_cache_bytes=0,
         kv_cache_memory=None, kv_cache_memory_fraction=None,
     )  # fmt: skip  # one batch: nothing to share across requests; its pool is the batch's own (no budget)
-    shared = len(batch_groups(Cohort(model, prompts, params, args), prompts)) > 1  # cohorts that share forwards
+    cohort = Cohort(model, prompts, params, args)
+    shared = len(batch_groups(cohort, prompts)) > 1  # cohorts that share forwards
     engine = Engine(model, args, block_length=block, scratch_slot=shared, runner=runner)
     try:
-        reqs = engine.submit_batch(prompts, params, stop=stop)
+        reqs = engine.submit_batch(prompts, params, stop=stop, cohort=cohort)
         start = time.perf_counter()
         engine.run_until_idle()
         wall = time.perf_counter() - start

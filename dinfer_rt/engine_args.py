@@ -38,7 +38,7 @@ class EngineArgs:
     # whose prompt is still being prefilled (whole blocks, at least one); None: what
     # max_num_batched_tokens leaves beside the running rows; 0: off (a long prompt waits for room)
     max_prefill_chunk_tokens: int | None = None
-    # the KV-cache pool's byte budget (``engine.kv_pool_plan``): rows = min(max_num_seqs, budget //
+    # the KV-cache pool's byte budget (``kv_pool.kv_pool_plan``): rows = min(max_num_seqs, budget //
     # bytes per row); None: max_num_seqs rows, whatever they take. At most one of the two: bytes, or
     # a fraction in (0, 1] of the free memory after the weights (CUDA / ROCm: the device's; CPU: MemAvailable)
     kv_cache_memory: int | None = None

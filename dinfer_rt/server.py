@@ -30,17 +30,10 @@ from collections import deque
 from dataclasses import dataclass
 
 import dinfer_rt
-from dinfer_rt.engine import (
-    Engine,
-    EngineClosed,
-    QueueFull,
-    Request,
-    available_memory,
-    format_bytes,
-    kv_pool_plan,
-)
+from dinfer_rt.engine import Engine, EngineClosed, QueueFull, Request
 from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import DinferError, GenerationError
+from dinfer_rt.kv_pool import available_memory, format_bytes, kv_pool_plan
 from dinfer_rt.model import Model
 from dinfer_rt.openai_protocol import (
     SHOWN_CHARS,
@@ -140,7 +133,7 @@ def _gib(n: float) -> str:
 def check_pool(spec, dtype, device, config: ServeConfig, replicas: int = 1, graphs: bool = False) -> int:
     """The serving length (``--max-model-len``, else the model's ``max_sequence_length``) and the
     KV pool it implies, before the pool is allocated, sized by the engine's own arithmetic
-    (``engine.kv_pool_plan``: ``--max-num-seqs`` rows, or as many as ``--kv-cache-memory`` /
+    (``kv_pool.kv_pool_plan``: ``--max-num-seqs`` rows, or as many as ``--kv-cache-memory`` /
     ``--kv-cache-memory-fraction`` hold; ``graphs``: with the padding rows of the device-graph
     buckets). A length past the model's, a budget below one row, or a pool larger than the free
     memory is an error naming the sizes and the flags to change. Returns the length."""

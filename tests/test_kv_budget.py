@@ -1,7 +1,7 @@
 """The KV pool's byte budget (issue #40 point 4, its part without paging): ``--kv-cache-memory`` /
 ``--kv-cache-memory-fraction`` (``EngineArgs.kv_cache_memory`` / ``kv_cache_memory_fraction``) size
 the engine's rows as min(max_num_seqs, budget // bytes per row), with one arithmetic
-(``engine.kv_pool_plan``) for the engine and ``serve``'s start-up check; a budget below one row is
+(``kv_pool.kv_pool_plan``) for the engine and ``serve``'s start-up check; a budget below one row is
 an error naming the numbers; a served budget of two rows answers four concurrent requests as
 ``LLM.generate`` does."""
 
@@ -19,9 +19,10 @@ import torch
 import dinfer_rt
 from dinfer_rt.cli import _byte_size, _fraction, _kv_budget_args, build_parser, main
 from dinfer_rt.demo import task
-from dinfer_rt.engine import Engine, kv_pool_plan, kv_row_bytes
+from dinfer_rt.engine import Engine
 from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import DinferError, GenerationError
+from dinfer_rt.kv_pool import kv_pool_plan, kv_row_bytes
 from dinfer_rt.llm import LLM
 from dinfer_rt.loader import default_model_path
 from dinfer_rt.model_spec import parse_spec

@@ -81,7 +81,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("family", "cfg"), CASES, ids=lambda c: c if isinstance(c, str) else f"{c['strategy']}-{c['cache']}")
+def _case_id(value) -> str:
+    return value if isinstance(value, str) else f"{value['strategy']}-{value['cache']}"
+
+
+@pytest.mark.parametrize(("family", "cfg"), CASES, ids=_case_id)
 def test_eight_requests_submitted_at_once_hit_the_first_ones_blocks(models, family, cfg):
     """8 requests sharing a 4-block system prompt, submitted at once, all admitted in the first
     step: the first computes the shared blocks ahead of its first forward and the 7 others copy

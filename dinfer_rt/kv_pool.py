@@ -1,0 +1,134 @@
+"""The engine's KV-cache pool before it is allocated: how many rows it holds and their bytes,
+under ``max_num_seqs`` or a memory budget (``EngineArgs.kv_cache_memory`` /
+``kv_cache_memory_fraction``). One arithmetic for the engine (which allocates the pool) and
+``serve``'s start-up check (which measures it against the free memory). Rows are contiguous
+(``max_model_len`` positions each): paged blocks shared with the prefix cache are not built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from dinfer_rt.engine_args import EngineArgs, pool_rows
+from dinfer_rt.errors import GenerationError
+
+
+def format_bytes(n: float) -> str:
+    """``1.5 GiB``, ``585.0 KiB``, ``12 B``."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def available_memory(device) -> int | None:
+    """Free memory where the KV pool would live: MemAvailable on the CPU, the free device memory
+    on CUDA / ROCm; None where unknown (other devices)."""
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as fh:
+                for line in fh:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
+    if device.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except Exception:  # no usable runtime here: unknown
+            return None
+    return None
+
+
+def kv_row_bytes(spec, dtype: torch.dtype, positions: int, kv_heads: int | None = None) -> int:
+    """Bytes of ``positions`` positions of one KV pool row (``Model.new_cache``'s tensors): K and V
+    per layer, each ``positions x kv_heads x head_dim`` of ``dtype`` (``kv_heads``: a rank's share
+    under tensor parallelism; default the model's)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    kv = spec.n_kv_heads if kv_heads is None else kv_heads
+    return 2 * spec.n_layers * positions * kv * spec.head_dim * item
+
+
+@dataclass(frozen=True)
+class KVPoolPlan:
+    """The engine's KV pool before it is allocated (:func:`kv_pool_plan`): the engine allocates it,
+    ``serve``'s start-up check measures it against the free memory."""
+
+    row_bytes: int  # one pool row: ``positions`` x layers x K and V x KV heads x head_dim x dtype
+    positions: int  # per row: max_model_len (+ 1 scratch slot)
+    rows: int  # rows decoded at once: max_num_seqs, or fewer under a budget
+    pool_rows: int  # rows allocated: ``rows``, and with device graphs the padding rows of its bucket
+    budget: int | None  # the byte budget (None: sized by max_num_seqs)
+    shape: str  # how a row's bytes are made, for messages
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool_rows * self.row_bytes
+
+
+def kv_budget(args: EngineArgs, free: int | None) -> int | None:
+    """The KV pool's byte budget: ``kv_cache_memory``, or ``kv_cache_memory_fraction`` of ``free``
+    (the free memory after the weights, :func:`available_memory`); None: no budget."""
+    if args.kv_cache_memory is not None:
+        return args.kv_cache_memory
+    if args.kv_cache_memory_fraction is None:
+        return None
+    if free is None:
+        raise GenerationError(
+            "kv_cache_memory_fraction (--kv-cache-memory-fraction): the free memory of this device is unknown; "
+            "give the budget in bytes (kv_cache_memory, --kv-cache-memory)"
+        )
+    return int(free * args.kv_cache_memory_fraction)
+
+
+def kv_pool_plan(
+    spec,
+    dtype: torch.dtype,
+    args: EngineArgs,
+    max_model_len: int,
+    *,
+    scratch_slot: bool = True,
+    kv_heads: int | None = None,
+    graphs: bool = False,
+    free: int | None = None,
+) -> KVPoolPlan:
+    """The rows of the engine's KV pool and their bytes, the one arithmetic the engine and
+    ``serve``'s start-up check share. A row is ``max_model_len`` (+ the scratch slot) positions x
+    layers x K and V x KV heads x head_dim x dtype bytes. Without a budget: ``max_num_seqs`` rows
+    (with device graphs, the pool also holds the padding rows of its bucket). With one
+    (``kv_cache_memory``, or ``kv_cache_memory_fraction`` of ``free``): rows = min(max_num_seqs,
+    budget // row bytes), the bucket's padding rows only as far as the budget holds them (a forward
+    whose padding would not fit runs eagerly). A budget below one row is an error naming both."""
+    positions = max_model_len + int(scratch_slot)
+    row = kv_row_bytes(spec, dtype, positions, kv_heads)
+    kv = spec.n_kv_heads if kv_heads is None else kv_heads
+    item = torch.empty((), dtype=dtype).element_size()
+    shape = (
+        f"{positions} positions (max_model_len {max_model_len}{' + 1 scratch' if scratch_slot else ''}) x "
+        f"{spec.n_layers} layers x K and V x {kv} KV heads x head_dim {spec.head_dim} x {item} bytes "
+        f"({str(dtype).removeprefix('torch.')})"
+    )
+    budget = kv_budget(args, free)
+    if budget is None:
+        return KVPoolPlan(row, positions, args.max_num_seqs, pool_rows(args, graphs), None, shape)
+    fit = budget // row
+    if fit < 1:
+        if args.kv_cache_memory is not None:
+            source = "kv_cache_memory, --kv-cache-memory"
+        else:
+            source = (
+                f"kv_cache_memory_fraction {args.kv_cache_memory_fraction} (--kv-cache-memory-fraction) "
+                f"of {free} bytes free"
+            )
+        raise GenerationError(
+            f"the KV-cache budget of {budget} bytes ({format_bytes(budget)}; {source}) holds no pool row: one row "
+            f"needs {row} bytes ({format_bytes(row)}: {shape}); raise --kv-cache-memory (or "
+            f"--kv-cache-memory-fraction) to at least {row} bytes, or lower --max-model-len ({max_model_len})"
+        )
+    rows = min(args.max_num_seqs, fit)
+    pool = min(pool_rows(dataclasses.replace(args, max_num_seqs=rows), graphs), fit)
+    return KVPoolPlan(row, positions, rows, pool, budget, shape)
