@@ -390,19 +390,10 @@ def _params(a: argparse.Namespace) -> SamplingParams:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from dinfer_rt.llm import LLM
 
     if a.tensor_parallel_size > 1 or a.data_parallel_size > 1:
         return _generate_tensor_parallel(a)
-    llm = LLM(
-        a.model,
-        backend=a.backend,
-        dtype=a.dtype,
-        check_weights=not a.no_check_weights,
-        quantization=a.quantization,
-        **_engine_args(a),
-    )
-    _choose_template(llm, a)
+    llm = _llm(a)  # one process: the model and engine flags as every command reads them
     outs = llm.generate(a.prompts, _params(a), allow_mask_in_prompt=a.allow_mask_in_prompt)
     for o in outs:
         if a.json:
