@@ -300,6 +300,15 @@ class Metrics:
             "dinfer_post_steps", "row-forwards after a block's last mask (editing rules)", registry=r
         )
         self._edits_seen = (0, 0)  # engine.stats (edits, post_steps) at the last step
+        self.prefill_chunks = pc.Counter(
+            "dinfer_prefill_chunks", "prefill forwards over a prompt's blocks before it decodes (chunked prefill, "
+            "and blocks shared with requests admitted together)", registry=r,
+        )  # fmt: skip
+        self.shared_prefills = pc.Counter(
+            "dinfer_shared_prefills", "of which run at admission for requests admitted together (prefix cache)",
+            registry=r,
+        )  # fmt: skip
+        self._prefill_seen = (0, 0)  # engine.stats (prefill_chunks, shared_prefills) at the last step
         self.prefix_queries = pc.Counter(
             "dinfer_prefix_cache_queries", "prefix cache lookups (admitted requests that may reuse blocks)", registry=r
         )
@@ -350,6 +359,10 @@ class Metrics:
         self.edits.inc(max(0, edits - self._edits_seen[0]))
         self.post_steps.inc(max(0, post - self._edits_seen[1]))
         self._edits_seen = (edits, post)
+        chunks, shared = getattr(engine.stats, "prefill_chunks", 0), getattr(engine.stats, "shared_prefills", 0)
+        self.prefill_chunks.inc(max(0, chunks - self._prefill_seen[0]))
+        self.shared_prefills.inc(max(0, shared - self._prefill_seen[1]))
+        self._prefill_seen = (chunks, shared)
         self.read_prefix_cache(engine)
         self.read_graphs(engine)
         self._recent.append((now, committed, engine.num_running))

@@ -75,11 +75,17 @@ def _run_beside(model, params, **engine_kw):
     return engine, short, long, per_step, beside
 
 
-@pytest.mark.parametrize("name", ["sdar", "llada2"])
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c['strategy']}-{c['cache']}")
+# every (family, config) pair the family accepts: SDAR's KV rule refuses ``delayed``
+# (``model_spec.exact_cache_policies``), so that pair is not a case
+CASES = [
+    (name, cfg) for name in ("sdar", "llada2") for cfg in CONFIGS if not (name == "sdar" and cfg["cache"] == "delayed")
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "cfg"), CASES, ids=lambda c: c if isinstance(c, str) else f"{c['strategy']}-{c['cache']}"
+)
 def test_long_prompt_beside_running_rows_is_exact_and_within_budget(models, name, cfg):
-    if name == "sdar" and cfg["cache"] == "delayed":
-        pytest.skip("SDAR's KV rule refuses delayed (model_spec.exact_cache_policies)")
     model = models(name)
     params = _params(**cfg)
     engine, short, long, per_step, beside = _run_beside(model, params, prefix_cache_bytes=0)
@@ -181,3 +187,23 @@ def test_engine_arg_is_validated():
     assert EngineArgs(max_prefill_chunk_tokens=0).validate().max_prefill_chunk_tokens == 0
     with pytest.raises(GenerationError, match="max_prefill_chunk_tokens"):
         EngineArgs(max_prefill_chunk_tokens=-1).validate()
+
+
+def test_served_chunks_are_counted_in_metrics(models):
+    """``/metrics`` counts the chunked-prefill forwards (``dinfer_prefill_chunks_total``) of a
+    served long prompt, as many as the engine ran (exactness: the engine tests above)."""
+    from fastapi.testclient import TestClient
+
+    from dinfer_rt.server import ServeConfig, build_app
+
+    model = models("llada2")
+    params = _params(strategy="threshold", threshold=0.2, cache="dual")
+    app = build_app(model, params, ServeConfig(max_num_seqs=2, max_num_batched_tokens=BUDGET))
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"prompt": LONG, "max_tokens": 12})
+        assert r.status_code == 200, r.text
+        metrics = client.get("/metrics").text
+    chunks = [line for line in metrics.splitlines() if line.startswith("dinfer_prefill_chunks_total ")]
+    assert chunks and float(chunks[0].split()[1]) >= 3, chunks  # 68 prompt positions, 24 query slots a step
+    assert app.state.engine.stats.prefill_chunks == float(chunks[0].split()[1])
+    assert r.json()["usage"]["completion_tokens"] <= 12
