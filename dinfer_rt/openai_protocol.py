@@ -603,19 +603,24 @@ def choice_logprobs(
     completions (OpenAI's legacy form): ``tokens``, ``token_logprobs``, ``top_logprobs`` (per
     token a dict of the top alternatives and the token itself) and ``text_offset`` (each token's
     character offset in the choice's text). A token's text is its own decoding (special tokens
-    included), ``bytes`` its UTF-8."""
+    included), ``bytes`` the token's raw bytes (``Tokenizer.token_bytes``: a byte token inside a
+    multi-byte character decodes alone to U+FFFD, but its bytes are the character's own, so a
+    client can join them back into it, as OpenAI's ``bytes`` are meant for)."""
     end = len(ids) if end is None else end
 
     def text(t: int) -> str:
         return tok.decode([t], skip_special_tokens=False)
 
+    def raw(t: int) -> list[int]:
+        return list(tok.token_bytes(t))
+
     span = range(start, end)
     if chat:
         content = []
         for i in span:
-            s = text(ids[i])
-            alts = [{"token": (a := text(t)), "logprob": _logprob(v), "bytes": list(a.encode())} for t, v in tops[i]]
-            content.append({"token": s, "logprob": _logprob(lps[i]), "bytes": list(s.encode()), "top_logprobs": alts})
+            alts = [{"token": text(t), "logprob": _logprob(v), "bytes": raw(t)} for t, v in tops[i]]
+            t = ids[i]
+            content.append({"token": text(t), "logprob": _logprob(lps[i]), "bytes": raw(t), "top_logprobs": alts})
         return {"content": content}
     tokens = [text(ids[i]) for i in span]
     top = []

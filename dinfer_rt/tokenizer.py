@@ -59,6 +59,42 @@ class Tokenizer:
         """The vocabulary string of ``token_id`` (None past the vocabulary)."""
         return self._tok.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes ``token_id`` stands for (OpenAI's logprobs ``bytes``). A token that holds
+        part of a multi-byte character decodes alone to U+FFFD, so its text's UTF-8 would be
+        wrong: a byte-level BPE piece maps back through GPT-2's byte-to-unicode table, a
+        sentencepiece byte-fallback piece ``<0xNN>`` is the byte NN, an added or special token is
+        its content's UTF-8 (literal text, never byte-mapped); any other token (word pieces) is the
+        UTF-8 of its decoding alone, as :meth:`decode` gives it."""
+        added = self._added.get(token_id)
+        if added is not None:
+            return added.encode()
+        piece = self._tok.id_to_token(token_id) if 0 <= token_id < self.vocab_size else None
+        if piece is not None:
+            if self._byte_pieces == "byte_level" and all(c in _BYTE_OF_CHAR for c in piece):
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            if self._byte_pieces == "byte_fallback" and (m := _BYTE_FALLBACK_PIECE.fullmatch(piece)):
+                return bytes([int(m.group(1), 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8", "surrogatepass")
+
+    @functools.cached_property
+    def _byte_pieces(self) -> str | None:
+        """How this tokenizer's pieces spell bytes, read from its decoder: ``byte_level`` (GPT-2 /
+        Qwen / LLaDA BPE: every piece is bytes through the byte-to-unicode table),
+        ``byte_fallback`` (sentencepiece-style ``<0xNN>`` pieces) or None (pieces are text)."""
+        decoder = self._tok.decoder
+        if decoder is None:
+            return None
+        kinds = set(re.findall(r'"type":\s*"(\w+)"', decoder.__getstate__().decode()))
+        if "ByteLevel" in kinds:
+            return "byte_level"
+        return "byte_fallback" if "ByteFallback" in kinds else None
+
+    @functools.cached_property
+    def _added(self) -> dict[int, str]:
+        """Added tokens (special ones included) by id: their content is literal text, not pieces."""
+        return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+
     def encode(self, text: str) -> list[int]:
         _refuse_surrogates(text)
         # encode_batch releases the GIL while it works (encode holds it: a long prompt tokenised on
@@ -124,6 +160,18 @@ class Tokenizer:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _gpt2_byte_table() -> dict[str, int]:
+    """GPT-2's ``bytes_to_unicode`` reversed: the character a byte-level BPE piece spells each byte
+    with -> that byte (printable Latin-1 bytes stand for themselves, the rest for 256 + n)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    shifted = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
+
+
+_BYTE_OF_CHAR = _gpt2_byte_table()
 
 
 def _refuse_surrogates(text: str) -> None:

@@ -3,7 +3,8 @@
 Each replica process loads the model (on its own device: the replica index among the visible
 ones) and runs its own :class:`~dinfer_rt.engine.Engine`. The front end, in the HTTP server's
 process, checks every request as an engine would (so a bad request is still a 400 at once),
-routes it to the replica with the fewest requests in flight (ties: round robin) and mirrors
+routes it to the replica with the fewest requests in flight (ties: round robin; each holds at
+most its KV pool rows, as its engine reported them, + ``max_queue``) and mirrors
 the replica's events ("update", "finish") onto a local :class:`~dinfer_rt.engine.Request`,
 which the server streams from exactly as it does for a local engine. :class:`ReplicaPool`
 offers the part of the engine interface the server uses (``submit``, ``abort``, ``close``,
@@ -118,6 +119,10 @@ def replica_main(
         return
     info = {"eos_ids": model.eos_ids, "mask_id": model.mask_id, "max_model_len": engine.max_model_len}
     info["prefix_cache"] = _prefix_report(engine)
+    # the pool this engine allocated (rows: max_num_seqs or what the KV budget holds; a position's
+    # K/V bytes: this rank's share under TP), so the front admits and refuses as this engine would
+    info.update(kv_rows=engine.max_num_seqs, kv_pool_bytes=engine.kv_pool_bytes)
+    info["kv_bytes_per_position"] = engine.kv_bytes_per_position
     outbox.put(("ready", index, {**info, "block_size": engine.block_size, "pid": os.getpid()}))
 
     def listener(req: Request, event: str) -> None:
@@ -227,8 +232,10 @@ def _apply(commands: list, engine, listener, outbox, index: int) -> bool:
 
 class ReplicaPool:
     """``replicas`` engine processes over the model ``load`` describes (``load_model`` keywords),
-    each an :class:`Engine` with ``engine_kwargs``; the front end admits at most ``max_num_seqs +
-    max_queue`` requests per replica (past it: ``QueueFull``)."""
+    each an :class:`Engine` with ``engine_kwargs``; the front end admits at most the rows of a
+    replica's KV pool (``max_num_seqs``, or fewer under ``kv_cache_memory`` /
+    ``kv_cache_memory_fraction``: what its engine reported when ready) + ``max_queue`` requests
+    per replica (past it on every replica: ``QueueFull``)."""
 
     def __init__(
         self,
@@ -320,7 +327,14 @@ class ReplicaPool:
         self.pids = [ready[i]["pid"] for i in range(replicas)]
         self._prefix = [ready[i].get("prefix_cache") for i in range(replicas)]  # per replica, its last report
         self.tokenizer = Tokenizer(path, self.spec.vocab)
-        self.capacity = engine_kwargs.get("max_num_seqs", 16) + max_queue
+        # each replica's KV pool as its engine allocated it: the rows that decode at once (a budget
+        # may hold fewer than max_num_seqs; with kv_cache_memory_fraction they may differ between
+        # devices) and one position's K/V bytes, which admission names for a request too long
+        self.kv_rows = [ready[i]["kv_rows"] for i in range(replicas)]
+        self._kv_bytes = [ready[i]["kv_pool_bytes"] for i in range(replicas)]
+        self.kv_bytes_per_position: int = info["kv_bytes_per_position"]
+        self.max_queue = max_queue
+        self.capacities = [rows + max_queue for rows in self.kv_rows]  # requests in flight per replica, at most
         self.replicas = replicas
         self.inflight: dict[str, tuple[Request, int]] = {}
         self.load = [0] * replicas  # requests in flight per replica
@@ -350,6 +364,7 @@ class ReplicaPool:
         max_tokens = check_request(
             prompt, params, max_tokens, vocab=self.spec.vocab, max_model_len=self.max_model_len,
             has_tokenizer=True, block_causal=self.spec.block_causal,
+            kv_bytes_per_position=self.kv_bytes_per_position,
         )  # fmt: skip
         with self._lock:
             if self.closed:
@@ -358,9 +373,10 @@ class ReplicaPool:
             if not live:
                 raise EngineClosed("every replica has died")
             turn = next(self._turn)
-            i = min(live, key=lambda r: (self.load[r], (r - turn) % self.replicas))
-            if self.load[i] >= self.capacity:
-                raise QueueFull(f"every replica holds {self.capacity} requests (max_num_seqs + max_queue)")
+            room = [r for r in live if self.load[r] < self.capacities[r]]
+            if not room:
+                raise QueueFull(self._full_message(live))
+            i = min(room, key=lambda r: (self.load[r], (r - turn) % self.replicas))
             req = Request(
                 request_id or f"req-{next(self._ids)}", list(prompt), params, max_tokens, listener, return_canvas
             )
@@ -371,6 +387,29 @@ class ReplicaPool:
         cmd = ("submit", req.id, list(prompt), params, max_tokens, return_canvas, stream_provisional, priority)
         self.inboxes[i].put(cmd)
         return req
+
+    @property
+    def capacity(self) -> int:
+        """Requests the front admits at once over the live replicas (each: its KV pool rows +
+        ``max_queue``)."""
+        return sum(c for c, alive in zip(self.capacities, self.alive) if alive)
+
+    @property
+    def kv_pool_rows(self) -> int:
+        """Rows decoding at once over the live replicas (``/metrics``' ``dinfer_kv_pool_rows``)."""
+        return sum(r for r, alive in zip(self.kv_rows, self.alive) if alive)
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        """Bytes of the live replicas' KV pools (``/metrics``' ``dinfer_kv_pool_bytes``)."""
+        return sum(b for b, alive in zip(self._kv_bytes, self.alive) if alive)
+
+    def _full_message(self, live: list[int]) -> str:
+        """Why no replica admits another request: each one's count against its KV pool rows."""
+        held = ", ".join(
+            f"replica {r} holds {self.load[r]} of {self.capacities[r]} ({self.kv_rows[r]} rows)" for r in live
+        )
+        return f"every replica is full (each admits its KV pool rows + max_queue {self.max_queue} requests): {held}"
 
     def abort(self, request_id: str) -> None:
         with self._lock:

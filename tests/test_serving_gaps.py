@@ -1,0 +1,295 @@
+"""Issue #40 (serving), four gaps closed:
+
+- the data-parallel front (``workers.ReplicaPool``) refuses a request past ``max_model_len`` with
+  the in-process engine's message, K/V bytes included (each replica reports its bytes per
+  position when ready);
+- the front admits per replica the rows its KV pool holds (``--kv-cache-memory`` may hold fewer
+  than ``max_num_seqs``) + ``max_queue``, not ``max_num_seqs + max_queue``;
+- chat logprobs ``bytes`` are a token's raw bytes, so byte tokens that split a multi-byte
+  character join back into its UTF-8 (their text alone is U+FFFD);
+- the KV-budget rows of ``docs/bad-inputs.md`` (ids ``kv:...``) are these cases, message for message.
+
+One ``ReplicaPool`` (two replicas of the embedded model, a budget of 1.5 rows each) serves the
+replica cases; one ``serve --data-parallel-size 2`` checks the 429 a client sees.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+import dinfer_rt
+from dinfer_rt.engine import Engine, QueueFull
+from dinfer_rt.errors import DinferError, GenerationError
+from dinfer_rt.kv_pool import kv_row_bytes
+from dinfer_rt.loader import default_model_path
+from dinfer_rt.openai_protocol import choice_logprobs
+from dinfer_rt.sampling import SamplingParams
+from dinfer_rt.testing.serving import ServerProcess
+from dinfer_rt.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLE = ROOT / "docs" / "bad-inputs.md"
+PARAMS = SamplingParams(strategy="threshold", block_length=8)  # gen_length 40
+EMBEDDED_ROW = 2 * 6 * 65 * 6 * 32 * 4  # K and V x 6 layers x 65 positions x 6 KV heads x head_dim 32 x fp32
+BUDGET = EMBEDDED_ROW + EMBEDDED_ROW // 2  # holds one pool row
+LONG = [7] * 30  # + 40 generated = 70 > the embedded model's 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dinfer_rt.load_model(backend="cpu")
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    """Two replica processes, each allowed 8 rows by max_num_seqs but one by its KV budget."""
+    from dinfer_rt.workers import ReplicaPool
+
+    load = {"path": str(default_model_path()), "backend": "cpu"}
+    engine = {"max_num_seqs": 8, "kv_cache_memory": BUDGET, "prefix_cache_bytes": 0}
+    pool = ReplicaPool(2, load, engine, max_queue=1, timeout=180)
+    try:
+        yield pool
+    finally:
+        pool.close()
+        pool.shutdown()
+
+
+def _engine_refusal(model, prompt: list[int]) -> str:
+    engine = Engine(model, max_num_seqs=1, prefix_cache_bytes=0)
+    try:
+        with pytest.raises(GenerationError) as e:
+            engine.check_request(prompt, PARAMS, None)
+        return str(e.value)
+    finally:
+        engine.release()
+
+
+# ---------------------------------------------------------------- 1. the replicas' admission names the K/V bytes
+
+
+def test_replicas_refuse_a_request_past_the_model_length_as_the_engine_does_naming_its_kv_bytes(replicas, model):
+    assert kv_row_bytes(model.spec, model.dtype, 65) == EMBEDDED_ROW
+    assert replicas.kv_bytes_per_position == EMBEDDED_ROW // 65
+    with pytest.raises(GenerationError) as e:
+        replicas.submit(LONG, PARAMS)
+    got = str(e.value)
+    assert got == _engine_refusal(model, LONG)
+    per = EMBEDDED_ROW // 65
+    assert f"(its K/V would need 630.0 KiB, {70 * per} bytes: 70 positions x {per} bytes; " in got
+    assert not replicas.inflight  # refused before it was routed
+
+
+# ---------------------------------------------------------------- 2. capacity follows the KV pool rows
+
+
+def test_the_replica_front_admits_each_replicas_kv_pool_rows_plus_max_queue(replicas, model):
+    assert replicas.kv_rows == [1, 1] and replicas.capacities == [2, 2] and replicas.capacity == 4
+    assert replicas.kv_pool_bytes == 2 * EMBEDDED_ROW and replicas.kv_pool_rows == 2
+    prompts = [[7 + i, 8, 9] for i in range(4)]
+    reqs = [replicas.submit(p, PARAMS) for p in prompts]  # not stepped: all four stay in flight
+    assert replicas.load == [2, 2]
+    with pytest.raises(QueueFull) as e:  # max_num_seqs (8) + max_queue would have admitted 18
+        replicas.submit([7, 8, 9], PARAMS)
+    msg = str(e.value)
+    assert msg == (
+        "every replica is full (each admits its KV pool rows + max_queue 1 requests): "
+        "replica 0 holds 2 of 2 (1 rows), replica 1 holds 2 of 2 (1 rows)"
+    )
+    while not all(r.done for r in reqs):
+        replicas.step()
+    offline = dinfer_rt.LLM(model).generate(prompts, PARAMS)
+    for req, want in zip(reqs, offline):
+        assert req.error is None and req.output_ids == want.token_ids
+    assert replicas.load == [0, 0]
+    again = replicas.submit([7, 8, 9], PARAMS)  # room again once they finished
+    while not again.done:
+        replicas.step()
+
+
+def test_served_replicas_answer_a_batch_past_their_kv_rows_with_a_429_naming_them():
+    """``serve --data-parallel-size 2 --kv-cache-memory`` (one row each) ``--max-queue 1``: a
+    completions batch of 4 prompts fits (2 x (1 row + 1 queued)), one of 5 is a 429 (asked
+    after the 4 finished, so nothing else is in flight)."""
+    s = ServerProcess(
+        "--data-parallel-size", "2", "--max-num-seqs", "8", "--max-queue", "1",
+        "--kv-cache-memory", str(BUDGET), "--strategy", "threshold", "--block-length", "8",
+        "--gen-length", "8", "--no-prefix-cache", cwd=ROOT, lifetime=240,
+    )  # fmt: skip
+    try:
+        url = s.url + "/v1/completions"
+        model = httpx.get(s.url + "/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "max_tokens": 8}
+        fits = httpx.post(url, json={**body, "prompt": [[7 + i, 8] for i in range(4)]}, timeout=120)
+        assert fits.status_code == 200, fits.text
+        assert len(fits.json()["choices"]) == 4
+        full = httpx.post(url, json={**body, "prompt": [[7 + i, 8] for i in range(5)]}, timeout=120)
+        assert full.status_code == 429, full.text  # max_num_seqs (8) + max_queue would have admitted 18
+        message = full.json()["error"]["message"]
+        assert "KV pool rows + max_queue 1 requests" in message and "holds 2 of 2 (1 rows)" in message
+    finally:
+        s.stop()
+
+
+# ---------------------------------------------------------------- 3. logprobs bytes are the token's raw bytes
+
+
+def _byte_level(folder: Path) -> Tokenizer:
+    """GPT-2-style byte-level BPE: every byte a piece, one merge ("a", "b"); a special token with
+    a non-ASCII character (its bytes are its UTF-8, not table-mapped)."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab["ab"] = len(vocab)
+    tok = HF(models.BPE(vocab=vocab, merges=[("a", "b")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|né|>"])
+    return _save(tok, folder)
+
+
+def _byte_fallback(folder: Path) -> Tokenizer:
+    """Sentencepiece-style: ``<0xNN>`` byte pieces for characters outside the vocabulary."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257, "a": 258, "b": 259}
+    tok = HF(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return _save(tok, folder)
+
+
+def _save(tok, folder: Path) -> Tokenizer:
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({}))
+    return Tokenizer(folder, tok.get_vocab_size())
+
+
+@pytest.mark.parametrize("make", [_byte_level, _byte_fallback], ids=["byte-level-bpe", "byte-fallback"])
+def test_logprobs_bytes_of_byte_tokens_join_into_the_split_characters(make, tmp_path):
+    tok = make(tmp_path / "tok")
+    text = "abé😀"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    split = [t for t in ids if tok.decode([t]) == "\ufffd"]
+    assert len(split) >= 6, "é and 😀 must each be split into byte tokens for this test"
+    tops = [[(t, -0.5), (ids[0], -1.5)] for t in ids]  # alternatives: the token itself and the first one
+    content = choice_logprobs(tok, True, ids, [-0.5] * len(ids), tops)["content"]
+    assert b"".join(bytes(c["bytes"]) for c in content) == text.encode()
+    for c, t in zip(content, ids):
+        assert c["token"] == tok.decode([t], skip_special_tokens=False)  # still a string, U+FFFD when split
+        assert [a["bytes"] for a in c["top_logprobs"]] == [c["bytes"], content[0]["bytes"]]
+    assert [content[i]["bytes"] for i in range(len(ids)) if ids[i] in split] == [
+        [b] for b in "é😀".encode()
+    ]  # one byte each
+    # a token that is whole text: its bytes are its text's UTF-8, as before
+    assert all(bytes(c["bytes"]) == c["token"].encode() for c in content if c["token"] != "\ufffd")
+
+
+def test_a_special_tokens_bytes_are_its_text_not_byte_mapped(tmp_path):
+    tok = _byte_level(tmp_path / "tok")
+    special = tok.token_id("<|né|>")
+    assert tok.token_bytes(special) == "<|né|>".encode()  # é is also a byte-level piece character (0xE9)
+    assert tok.token_bytes(tok.vocab_size + 3) == f"<|id:{tok.vocab_size + 3}|>".encode()
+
+
+def test_the_embedded_tokenizers_bytes_are_unchanged(model):
+    tok = model.tokenizer
+    for t in range(tok.vocab_size):
+        assert tok.token_bytes(t) == tok.decode([t], skip_special_tokens=False).encode(), t
+
+
+# ---------------------------------------------------------------- 4. docs/bad-inputs.md's kv: rows
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    run: Callable  # (pytest request) -> None; raises the error under test
+    message: str
+
+
+def _budget(model_fixture: str, **fields) -> Callable:
+    def run(request) -> None:
+        Engine(request.getfixturevalue(model_fixture), max_num_seqs=4, **fields)
+
+    return run
+
+
+def _fraction(request) -> None:
+    request.getfixturevalue("monkeypatch").setattr(dinfer_rt.engine, "available_memory", lambda device: 1_000_000)
+    Engine(request.getfixturevalue("model"), kv_cache_memory_fraction=0.001)
+
+
+def _serve(request) -> None:
+    from dinfer_rt.cli import main
+
+    capsys = request.getfixturevalue("capsys")
+    assert main(["serve", "--port", "0", "--shutdown-after-s", "20", "--kv-cache-memory", "1KiB"]) == 2
+    raise DinferError(capsys.readouterr().err.strip().removeprefix("error: "))
+
+
+def _replicas(request) -> None:
+    request.getfixturevalue("replicas").submit(LONG, PARAMS)
+
+
+CASES = [
+    Case(
+        "kv:budget-below-one-row",
+        _budget("model", kv_cache_memory=1024),
+        "the KV-cache budget of 1024 bytes (1.0 KiB; kv_cache_memory, --kv-cache-memory) holds no pool row: "
+        "one row needs 599040 bytes (585.0 KiB: 65 positions (max_model_len 64 + 1 scratch) x 6 layers x K and V x "
+        "6 KV heads x head_dim 32 x 4 bytes (float32)); raise --kv-cache-memory (or --kv-cache-memory-fraction) "
+        "to at least 599040 bytes, or lower --max-model-len (64)",
+    ),
+    Case(
+        "kv:fraction-below-one-row",
+        _fraction,
+        "the KV-cache budget of 1000 bytes (1000 B; kv_cache_memory_fraction 0.001 (--kv-cache-memory-fraction) "
+        "of 1000000 bytes free) holds no pool row: one row needs 599040 bytes",
+    ),
+    Case(
+        "kv:serve-budget-below-one-row",
+        _serve,
+        "serve: the KV-cache budget of 1024 bytes (1.0 KiB; kv_cache_memory, --kv-cache-memory) holds no pool row",
+    ),
+    Case(
+        "kv:replicas-request-past-max-model-len",
+        _replicas,
+        "prompt (30 tokens) + 40 generated = 70 tokens exceeds the max model length 64 (its K/V would need "
+        "630.0 KiB, 645120 bytes: 70 positions x 9216 bytes; a KV pool row holds 64 positions, 576.0 KiB)",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_kv_budget_bad_input_gives_one_line_naming_the_numbers(case, request):
+    with pytest.raises(DinferError) as e:
+        case.run(request)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    assert case.message in msg, msg
+
+
+def test_the_docs_table_lists_exactly_these_kv_cases():
+    rows = {}
+    for line in TABLE.read_text().splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        if line.startswith("|") and len(cells) == 3 and re.fullmatch(r"`kv:[a-z0-9-]+`", cells[0]):
+            rows[cells[0].strip("`")] = cells[2]
+    assert set(rows) == {c.id for c in CASES}
+    for c in CASES:
+        assert rows[c.id] == f"`{c.message}`", c.id
