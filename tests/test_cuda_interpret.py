@@ -341,6 +341,7 @@ KERNELS = {
     "moe_down",
     "commit_top_k",
     "commit_threshold",
+    "commit_edit",
 }
 
 

@@ -40,6 +40,9 @@ def kernel_specs(t: dict, dt: str = "bf16") -> list[tuple[str, dict, dict, int]]
     attn_sig |= {"part_acc_ptr": "*fp32", "keys_per_split": i32, "n_rows": i32}
     commit_sig = {"conf_ptr": "*fp32", "masked_ptr": "*i1", "quota_ptr": "*i64", "x0_ptr": "*i64", "x_ptr": "*i64"}
     commit_sig |= {"commit_ptr": "*i8", "n_rows": i32, "n_slots": i32, "x_stride": i32, "threshold": f32}
+    edit_sig = {"conf_ptr": "*fp32", "token_ptr": "*i64", "masked_ptr": "*i1", "editable_ptr": "*i1", "x_ptr": "*i64"}
+    edit_sig |= {"commit_ptr": "*i8", "edit_ptr": "*i8", "n_rows": i32, "n_slots": i32, "x_stride": i32}
+    edit_sig |= {"threshold": f32, "edit_threshold": f32}
     return [
         (
             "rms_norm_kernel",
@@ -104,6 +107,7 @@ def kernel_specs(t: dict, dt: str = "bf16") -> list[tuple[str, dict, dict, int]]
         ("moe_gate_up_kernel", moe_sig | {"hidden": i32, "inter": i32}, moe_cfg | gemm_common, moe["num_warps"]),
         ("commit_kernel", commit_sig, {"TOP_K": True, "BLOCK_L": BLOCK_TOKENS, "PERSISTENT": False}, 1),
         ("commit_kernel", commit_sig, {"TOP_K": False, "BLOCK_L": BLOCK_TOKENS, "PERSISTENT": False}, 1),
+        ("commit_edit_kernel", edit_sig, {"BLOCK_L": BLOCK_TOKENS, "PERSISTENT": False}, 1),  # LLaDA2.1's editing rule
         ("moe_down_kernel", down_sig, moe_cfg | gemm_common, moe["num_warps"]),
     ]
 
