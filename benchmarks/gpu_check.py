@@ -436,13 +436,22 @@ def engine_graph_buckets(
         rows.append(
             {
                 "rows": size,
-                "bucket": graphed._bucket_of.get(size, "eager"),
+                "bucket": graphed.buckets.bucket_of(size) or "eager",
                 "equal": f"{sum(a == b for a, b in zip(got, want))}/{size}",
                 "new_captures": graphed.graph_stats()["captures"] - before,
                 "graphed_s": wall,
                 "eager_s": eager_wall,
             }
         )
+    # lone requests whose prompts differ in length (graph_length_step: one capture per length
+    # bucket, not per length): after the first, none should capture
+    lengths = []
+    for cut in (0, 1, 2, 3):
+        ids = [prompts[cut][: max(1, len(prompts[cut]) - cut)]]
+        before = graphed.graph_stats()["captures"]
+        got, _ = run(graphed, ids, False)
+        want, _ = run(eager, ids, False)
+        lengths.append({"prompt": len(ids[0]), "equal": got == want, "new": graphed.graph_stats()["captures"] - before})
     run(graphed, prompts[:max_num_seqs], False)  # warm both at the burst's shapes
     run(eager, prompts[:max_num_seqs], False)
     got, graphed_s = run(graphed, prompts[:limit], False)
@@ -454,6 +463,10 @@ def engine_graph_buckets(
         "warmup_s": warm_s,
         "warmup_captures_by_rows": warm["captures_by_rows"],
         "static_batches": rows,
+        "length_step": graphed.args.graph_length_step,
+        "lengths_equal": f"{sum(x['equal'] for x in lengths)}/{len(lengths)}",
+        "lengths_prompt_tokens": [x["prompt"] for x in lengths],
+        "lengths_new_captures_after_first": sum(x["new"] for x in lengths[1:]),
         "burst_equal_outputs": f"{sum(a == b for a, b in zip(got, want))}/{len(want)}",
         "burst_graphed_tokens_per_s": tokens / graphed_s,
         "burst_eager_tokens_per_s": tokens / eager_s,
@@ -642,6 +655,8 @@ def render(result: dict) -> list[str]:
             f"outputs equal {gb['burst_equal_outputs']}; captures {gb['captures']} per rows {gb['captures_by_rows']}, "
             f"replays {gb['replays']}, eager calls {gb['eager_calls']}, evictions {gb['evictions']}, "
             f"graph memory {gb['graph_bytes'] / 2**20:.0f} MiB, padded rows {gb['padded_rows']}",
+            f"prompts of {gb['lengths_prompt_tokens']} tokens alone (length step {gb['length_step']}): outputs "
+            f"equal {gb['lengths_equal']}, captures after the first {gb['lengths_new_captures_after_first']}",
             "",
             "| static batch rows | bucket | equal to eager | new captures | graphed s | eager s |",
             "|---|---|---|---|---|---|",
@@ -735,7 +750,7 @@ def main() -> None:
     serving_ok = not isinstance(result.get("serving"), dict) or result["serving"].get("per_row_passed", False)
     gb = result.get("engine_graph_buckets")
     if isinstance(gb, dict) and not failed(gb):  # graphed tokens must equal eager ones
-        equal = [gb["burst_equal_outputs"]] + [r["equal"] for r in gb["static_batches"]]
+        equal = [gb["burst_equal_outputs"], gb["lengths_equal"]] + [r["equal"] for r in gb["static_batches"]]
         serving_ok = serving_ok and all(a == b for a, b in (e.split("/") for e in equal))
     if errors or not all(r["passed"] for r in checked) or not serving_ok:
         raise SystemExit(f"{stem}: failed sections {errors}, or a kernel out of its tolerance (see the report)")

@@ -17,7 +17,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from dinfer_rt import envs
-from dinfer_rt.engine_args import EngineArgs
+from dinfer_rt.engine_args import PREFIX_CACHE_MODES, EngineArgs
 from dinfer_rt.errors import DinferError
 from dinfer_rt.files import check_output_file
 from dinfer_rt.sampling import CACHES, STRATEGIES, SamplingParams
@@ -259,6 +259,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="N,N,...",
         help="batch-size buckets captured with --graphs (default 1,2,4 then every multiple of 8 up to max rows)",
     )
+    p.add_argument(
+        "--graph-length-step",
+        type=int,
+        default=256,
+        metavar="N",
+        help="with --graphs, sequences pad to a multiple of N positions so prompts of many lengths share one "
+        "capture (default 256; 0: a capture per length)",
+    )
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -277,6 +285,7 @@ def _engine_args(a: argparse.Namespace) -> dict:
         "confidence_head": not a.no_confidence_head,
         "graphs": {"auto": None, "on": True, "off": False}[a.graphs],
         "graph_batch_sizes": a.graph_batch_sizes,
+        "graph_length_step": a.graph_length_step,
         "max_prefill_chunk_tokens": a.max_prefill_chunk_tokens,
     }
 
@@ -291,12 +300,21 @@ def _kv_budget_args(a: argparse.Namespace) -> dict:
 
 
 def _prefix_cache_args(a: argparse.Namespace) -> dict:
-    """``serve``'s prefix cache flags as the EngineArgs field (absent: the engine's default)."""
+    """``serve``'s prefix cache flags as the EngineArgs fields (absent: the engine's defaults).
+    ``--prefix-cache`` asked together with the cache turned off is a contradiction, named."""
+    mode = getattr(a, "prefix_cache", None)
     if a.no_prefix_cache:
         if a.prefix_cache_bytes:
             raise DinferError("serve: --no-prefix-cache contradicts --prefix-cache-bytes > 0; give one of them")
+        if mode is not None:
+            raise DinferError(f"serve: --no-prefix-cache contradicts --prefix-cache {mode}; give one of them")
         return {"prefix_cache_bytes": 0}
-    return {} if a.prefix_cache_bytes is None else {"prefix_cache_bytes": a.prefix_cache_bytes}
+    if mode == "approximate" and a.prefix_cache_bytes == 0:
+        raise DinferError(
+            "serve: --prefix-cache approximate contradicts --prefix-cache-bytes 0 (the cache off); give one of them"
+        )
+    out = {} if a.prefix_cache_bytes is None else {"prefix_cache_bytes": a.prefix_cache_bytes}
+    return out if mode is None else {**out, "prefix_cache": mode}
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -472,6 +490,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         pool = ReplicaPool(
             a.data_parallel_size, {"path": a.model, **load}, kwargs, max_queue=config.max_queue,
             tp_size=a.tensor_parallel_size, expert_parallel=a.expert_parallel,
+            collective_timeout=a.distributed_timeout,
         )  # fmt: skip
         if a.chat_template_name is not None:  # the front end renders the chats: the same template as the replicas
             pool.tokenizer.choose_chat_template(a.chat_template_name)
@@ -836,6 +855,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--expert-parallel", action="store_true", help="MoE layers: split whole experts over the ranks (E/N each)"
     )
     sv.add_argument(
+        "--distributed-timeout",
+        type=_int_in(1),
+        default=600,
+        metavar="SECONDS",
+        help="a tensor-parallel collective waiting this long on a rank (died or hung) ends its replica: its "
+        "requests fail naming it (default 600; a first forward of a new shape compiles on every rank within it)",
+    )
+    sv.add_argument(
         "--engine-process",
         action="store_true",
         help="run the engine in its own process, apart from the HTTP front (always so with replicas or ranks)",
@@ -844,10 +871,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix-cache-bytes",
         type=_int_in(0),
         default=None,
-        help="block prefix cache budget across requests (block-causal models; default: 10%% of free CUDA/ROCm "
-        "memory, else 1 GiB; 0: off)",
+        help="block prefix cache budget across requests (default: 10%% of free CUDA/ROCm memory, else 1 GiB; 0: off)",
     )
     sv.add_argument("--no-prefix-cache", action="store_true", help="turn the block prefix cache off")
+    sv.add_argument(
+        "--prefix-cache",
+        choices=PREFIX_CACHE_MODES,
+        default=None,
+        help="auto (default): exact reuse, block-causal models only; approximate: also bidirectional models "
+        "(LLaDA, LLaDA-MoE, Dream; prefix/dual/vicinity requests), whose reused prompt K/V make outputs "
+        "differ from a cold run (docs/serving.md)",
+    )
     kv = sv.add_mutually_exclusive_group()
     kv.add_argument(
         "--kv-cache-memory",

@@ -227,7 +227,8 @@ class Cohort:
         self.prev_start: int | None = None  # block-causal: the previous block's start
         # block-causal: leading positions whose K/V are in the pool before the first forward (copied
         # from the engine's prefix cache, ``prefix_cache.py``, or computed by its chunked prefill);
-        # that forward computes from here, not from 0
+        # that forward computes from here, not from 0. Bidirectional (the approximate prefix cache):
+        # prompt positions whose copied K/V no forward of this request recomputes (``_spans``)
         self.cached_prefix = 0
         # adaptive / anchored / delayed: tokens each row committed since the last full refresh
         # (not counted when no bound applies: on a device the count is a host sync per step)
@@ -383,6 +384,12 @@ class Cohort:
             self.prev_start = s
         if restart and self.pending is not None:
             self.pending.zero_()
+        if self.cached_prefix and not block_causal:
+            # approximate prefix cache: the copied prompt K/V stay for the request's whole life
+            # (refreshes included): the compute they save, and the approximation (prefix_cache.py);
+            # a shifted-logits family (Dream) still recomputes position c - 1 (it predicts c)
+            c = self.cached_prefix
+            spans = tuple((max(lo, c), hi) for lo, hi in spans if hi > c)
         return spans, True
 
     def _positions(self, spans: Spans) -> tuple[torch.Tensor, torch.Tensor | int]:
@@ -444,7 +451,7 @@ class Cohort:
             )  # fmt: skip
 
         if not self.use_confidence:
-            parts = [self.run(rows(r0, r1)) for r0, r1 in slices]
+            parts = [_kept(self.run(rows(r0, r1)), len(slices)) for r0, r1 in slices]
             logits = torch.cat(parts) if len(parts) > 1 else parts[0]
             if isinstance(w.where, int):
                 return logits[:, w.where : w.where + e - s]
@@ -459,7 +466,7 @@ class Cohort:
             select = self._block_slots() if isinstance(w.where, int) else w.where + s
         else:
             select = torch.arange(s, e)[(x[:, s:e] == m.mask_id).any(0)]
-        outs = [self.run(rows(r0, r1, select)) for r0, r1 in slices]
+        outs = [_kept(self.run(rows(r0, r1, select)), len(slices)) for r0, r1 in slices]
         conf, token = outs[0] if len(outs) == 1 else (torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]))
         if self.device_rule is not None:
             if isinstance(w.where, int):
@@ -696,6 +703,15 @@ class Cohort:
             return [0] * self.b
         ends = torch.where(self.block_final.cpu(), self.e, self.s) - self.p_len
         return torch.minimum(ends.clamp(0, g), first).tolist()
+
+
+def _kept(out, slices: int):
+    """A slice's outputs, copied when more slices follow: a replayed device graph returns its static
+    buffers, which the next slice of the same shape (an uncached forward: no pool address in its
+    signature) overwrites before the slices are joined."""
+    if slices == 1:
+        return out
+    return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
 
 
 def forward_rows(cohorts: list[Cohort], run: Callable[[ForwardInputs], object], cached: bool) -> tuple[list, int, int]:

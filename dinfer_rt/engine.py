@@ -31,14 +31,19 @@ from dataclasses import dataclass, field
 import torch
 
 from dinfer_rt.decode import BatchResult, Cohort, StopCheck, check_token_ids, forward_rows
-from dinfer_rt.engine_args import EngineArgs, graph_buckets
+from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import GenerationError
+from dinfer_rt.graph_buckets import GraphBuckets
 from dinfer_rt.kv_pool import available_memory, format_bytes, kv_pool_plan
 from dinfer_rt.model import Model
 from dinfer_rt.model_runner import ForwardInputs, LocalRunner
 from dinfer_rt.prefix_cache import CachedBlock, PrefixCache, default_budget
 from dinfer_rt.sampling import SamplingParams
 from dinfer_rt.stopping import before_eos, cut_at_stop, first_stop
+
+APPROXIMATE_POLICIES = ("prefix", "dual", "vicinity")
+"""Cache policies under which a bidirectional request uses the approximate prefix cache: those
+that keep the prompt's K/V between refreshes anyway (``Engine._prefix_approx``)."""
 
 
 class QueueFull(GenerationError):
@@ -118,6 +123,7 @@ class EngineStats:
     graph_forwards: int = 0
     eager_forwards: int = 0
     padded_rows: int = 0
+    padded_positions: int = 0  # rows x positions appended to reach a length bucket (graph_length_step)
 
 
 def check_request(
@@ -182,8 +188,9 @@ class Engine:
     (default: the model's max length). ``block_length``: the served default block length of a
     block-causal model (LLaDA2; reported to front ends). Cohorts of block-causal models with
     different block lengths (their masks differ) take separate forwards. ``prefix_cache_bytes``:
-    the budget of the block prefix cache across requests (``prefix_cache.py``; block-causal
-    models only, where reuse is exact; 0: off, None: the default budget)."""
+    the budget of the block prefix cache across requests (``prefix_cache.py``; exact on
+    block-causal models; on bidirectional ones only with ``prefix_cache="approximate"``; 0: off,
+    None: the default budget)."""
 
     def __init__(
         self,
@@ -213,7 +220,7 @@ class Engine:
         # which the native kernels read in place); from the model's pool, so a static batch's
         # engine writes the buffers of the last one (device graphs bind them)
         self.scratch_slot = scratch_slot
-        self._graphs_setup(args)
+        self.buckets = GraphBuckets(model.backend, args)
         # the pool's rows (``kv_pool_plan``): max_num_seqs, or as many as the KV budget holds
         tp = getattr(model, "tensor_parallel", None)
         self.kv_plan = kv_pool_plan(
@@ -224,8 +231,10 @@ class Engine:
         if self.kv_plan.rows < self.max_num_seqs:  # the budget holds fewer rows: that many decode at once
             self.args = args = dataclasses.replace(args, max_num_seqs=self.kv_plan.rows)
             self.max_num_seqs = self.kv_plan.rows
-            self._graphs_setup(args)  # the default buckets follow the rows
+            self.buckets = GraphBuckets(model.backend, args)  # the default buckets follow the rows
         self.pool_rows = self.kv_plan.pool_rows
+        # the longest sequence a graphed forward pads to: the pool's positions, the model's length
+        self._graph_positions = self.max_model_len  # (the scratch slot past it is no bucket's)
         self.kv_pool_bytes = self.kv_plan.nbytes  # what the pool takes (K and V of every layer)
         self.kv_bytes_per_position = self.kv_plan.row_bytes // self.kv_plan.positions
         self.cache = model.cache_pool.acquire(self.pool_rows, self.kv_plan.positions)
@@ -233,8 +242,8 @@ class Engine:
         self.runner = runner or LocalRunner(model)
         self.runner.bind(self.cache)
         # where graphs replay, every forward goes through _run_graphed (bucket or eager); else the runner
-        self._forward_runner = self._run_graphed if self._replays else self.runner
-        self.prefix_cache = self._prefix_cache(args.prefix_cache_bytes)
+        self._forward_runner = self._run_graphed if self.buckets.replays else self.runner
+        self.prefix_cache = self._prefix_cache(args)
         self._prefix_held: dict[Cohort, list[CachedBlock]] = {}  # the cached blocks each cohort holds
         self._prefix_fresh: list[Cohort] = []  # admitted this step: their prompt blocks are cached after the forward
         self.cohorts: list[Cohort] = []  # row order: cohort i holds the rows after cohort i - 1's
@@ -307,44 +316,116 @@ class Engine:
         return reqs
 
     # ---------------------------------------------------------------- prefix cache
-    def _prefix_cache(self, budget: int | None) -> PrefixCache | None:
-        """The block prefix cache, where reuse is exact: a block-causal model (a block's K/V
-        depend only on it and the blocks before it), whose block outputs do not read the
-        previous position (no shifted logits), run by this process alone (a tensor-parallel
-        group's pool is sharded over its ranks). ``budget`` 0 turns it off."""
-        spec = self.model.spec
-        if budget == 0 or not spec.block_causal or spec.shift_logits or type(self.runner) is not LocalRunner:
+    def _prefix_cache(self, args: EngineArgs) -> PrefixCache | None:
+        """The block prefix cache. Exact on a block-causal model (a block's K/V depend only on it
+        and the blocks before it) whose block outputs do not read the previous position (no
+        shifted logits); approximate on a bidirectional one, only when asked (``prefix_cache``
+        "approximate"); none for a tensor-parallel group (its pool is sharded over its ranks).
+        ``prefix_cache_bytes`` 0 turns it off (``prefix_cache_summary`` says why there is none)."""
+        spec, budget = self.model.spec, args.prefix_cache_bytes
+        if budget == 0 or type(self.runner) is not LocalRunner:
             return None
-        return PrefixCache(default_budget(self.model.backend.device()) if budget is None else budget)
+        if spec.block_causal and spec.shift_logits:
+            return None
+        if not spec.block_causal and args.prefix_cache != "approximate":
+            return None
+        size = default_budget(self.model.backend.device()) if budget is None else budget
+        return PrefixCache(size, approximate=not spec.block_causal)
 
-    def _prefix_exact(self, cohort: Cohort) -> bool:
-        """Whether the cohort's pool rows hold exact K/V of its finished blocks (and so may be
-        cached): a cached policy (``none`` writes no cache), no precision schedule (low-precision
-        forwards write K/V) and no guidance (uncached forwards)."""
+    @property
+    def prefix_cache_mode(self) -> str:
+        """The prefix cache's mode: "exact", "approximate" (a bidirectional model's, asked for) or "off"."""
+        return "off" if self.prefix_cache is None else self.prefix_cache.mode
+
+    def prefix_cache_summary(self) -> str:
+        """The start-up line on the prefix cache: its mode and budget, or why there is none. An
+        approximate cache is never silent: the line says that outputs may differ from a cold run."""
+        cache, spec = self.prefix_cache, self.model.spec
+        if cache is not None:
+            size = f"budget {format_bytes(cache.budget)} ({cache.budget} bytes)"
+            if cache.approximate:
+                return (
+                    "dinfer-rt prefix cache: approximate (bidirectional model; outputs may differ from a cold "
+                    f"run: cached prompt K/V are an earlier request's and are never recomputed), {size}"
+                )
+            return f"dinfer-rt prefix cache: exact (block-causal model: a hit decodes as cold), {size}"
+        if self.args.prefix_cache_bytes == 0:
+            why = "--no-prefix-cache / --prefix-cache-bytes 0"
+        elif type(self.runner) is not LocalRunner:
+            why = "tensor-parallel replicas (each rank holds a shard of the pool)"
+        elif spec.block_causal:
+            why = "a block-causal family with shifted logits (a hit would not be exact)"
+        else:
+            why = "bidirectional model: reuse would be approximate; --prefix-cache approximate turns it on"
+        return f"dinfer-rt prefix cache: off ({why})"
+
+    def _prefix_writes(self, cohort: Cohort) -> bool:
+        """Whether the cohort's pool rows hold K/V worth caching: a cached policy (``none`` writes
+        no cache), no precision schedule (low-precision forwards write K/V) and no guidance
+        (uncached forwards)."""
         p = cohort.params
         return self.prefix_cache is not None and p.cache != "none" and cohort.schedule is None and p.cfg_scale == 0
 
+    def _prefix_exact(self, cohort: Cohort) -> bool:
+        """Whether the cohort's pool rows hold exact K/V of its finished blocks (a block-causal
+        model's, ``_prefix_writes``), so it caches them after its first forward and at its end."""
+        return self._prefix_writes(cohort) and not self.prefix_cache.approximate
+
+    def _prefix_approx(self, cohort: Cohort) -> bool:
+        """Whether the cohort takes part in the approximate cache (a bidirectional model's): a
+        policy that already keeps prompt K/V stale between refreshes (``APPROXIMATE_POLICIES``).
+        ``anchored`` / ``delayed`` / ``adaptive`` recompute the prompt every step, which is what
+        keeps them accurate on the embedded task: freezing it would defeat them, so they neither
+        look up nor insert. It caches its prompt blocks after its first forward only (the state a
+        cold first forward of the same prompt computes), never at its end (by then the prompt's
+        K/V have seen its answer)."""
+        return (
+            self._prefix_writes(cohort)
+            and self.prefix_cache.approximate
+            and cohort.params.cache in APPROXIMATE_POLICIES
+        )
+
+    def _prefix_block(self, cohort: Cohort) -> int:
+        """The cache's block length for the cohort: its block-causal block, else (approximate)
+        the request's ``block_length``, blocks aligned to position 0 over the prompt."""
+        return cohort.block_size or cohort.params.block_length
+
+    def _prefix_span(self, cohort: Cohort) -> int:
+        """The leading positions whose whole blocks the cohort looks up and inserts at
+        admission: block-causal, the prompt's blocks before its first decoded block (``s``);
+        approximate, the prompt's whole blocks, less its last position for a shifted-logits
+        family (Dream: that position's output predicts the first generated slot, so every
+        forward computes it)."""
+        if self.model.spec.block_causal:
+            return cohort.s
+        lb = self._prefix_block(cohort)
+        return (cohort.p_len - int(self.model.spec.shift_logits)) // lb * lb
+
     def _prefix_reuses(self, cohort: Cohort) -> bool:
         """Whether the cohort looks its prompt up in the prefix cache at admission: a lone row
-        with exact K/V (``_prefix_exact``) and at least one whole prompt block before its first
-        decoded block, not under ``vicinity``'s warm-up (its first forwards recompute every
-        position anyway)."""
+        with cacheable K/V and at least one whole prompt block in ``_prefix_span``; exact: not
+        under ``vicinity``'s warm-up (its first forwards recompute every position anyway), while
+        an approximate hit is never recomputed (``Cohort.cached_prefix``), warm-up or not."""
+        if cohort.b != 1:
+            return False
+        if self._prefix_approx(cohort):
+            return self._prefix_span(cohort) > 0
         p = cohort.params
         return (
             self._prefix_exact(cohort)
-            and cohort.b == 1
             and not (p.cache == "vicinity" and p.vicinity_warmup > 0)
             and cohort.s >= cohort.block_size
         )
 
     def _prefix_lookup(self, cohort: Cohort) -> None:
         """At admission: copy the K/V of the longest cached prefix of the prompt's whole blocks
-        before its first decoded block (a lone row) into the cohort's pool row, so its first
-        forward computes only the rest (``_prefix_reuses`` says which cohorts look up)."""
+        (``_prefix_span``; a lone row) into the cohort's pool row, so its first forward computes
+        only the rest (``_prefix_reuses`` says which cohorts look up). Approximate: no forward of
+        the request recomputes them (``Cohort.cached_prefix``)."""
         if not self._prefix_reuses(cohort):
             return
-        req, lb = cohort.requests[0], cohort.block_size
-        chain = self.prefix_cache.lookup(req.prompt, lb, cohort.s // lb)
+        req, lb = cohort.requests[0], self._prefix_block(cohort)
+        chain = self.prefix_cache.lookup(req.prompt, lb, self._prefix_span(cohort) // lb)
         self._prefix_held[cohort] = chain
         if chain:
             cohort.cached_prefix = req.cached_tokens = PrefixCache.copy_into(chain, self.cache, cohort.start_row)
@@ -356,8 +437,8 @@ class Engine:
         the cache up; 0 if none. Its blocks enter the cache only after its first forward, too
         late for a request admitted beside it, so ``_admit`` computes the shared ones first
         (``_prefix_share``). Called with the lock held."""
-        if room <= 0 or not self._prefix_reuses(cohort):
-            return 0
+        if room <= 0 or not self._prefix_exact(cohort) or not self._prefix_reuses(cohort):
+            return 0  # approximate: bidirectional prompt blocks cannot be computed apart from the rest
         lb, prompt = cohort.block_size, cohort.requests[0].prompt
         best = 0
         for group in itertools.islice(self.waiting, room):
@@ -391,9 +472,10 @@ class Engine:
 
     def _prefix_insert(self, cohort: Cohort, upto: int) -> None:
         """Cache each row's whole blocks before position ``upto`` (their K/V in the pool must be
-        exact: computed over these final tokens); the cohort holds them until it ends."""
-        lb = cohort.block_size
-        rows = [r for r in range(cohort.b) if cohort.pads[r] == 0]  # block-causal rows are never padded
+        exact: computed over these final tokens, or approximate: a first forward's); the cohort
+        holds them until it ends. Only unpadded rows: a padded row's prompt sits at other positions."""
+        lb = self._prefix_block(cohort)
+        rows = [r for r in range(cohort.b) if cohort.pads[r] == 0]
         if not rows or upto < lb:
             return
         x = cohort.x[:, :upto].cpu()
@@ -496,7 +578,7 @@ class Engine:
                 self._end_cohort(cohort, "error", finished, err)
             return finished
         for cohort in fresh:  # their first forward computed the prompt's whole blocks: shared from now on
-            self._prefix_insert(cohort, cohort.s)
+            self._prefix_insert(cohort, self._prefix_span(cohort))
         for cohort in list(self.cohorts):
             self._check_final(cohort, finished)
         return finished
@@ -575,7 +657,7 @@ class Engine:
             for req in group:
                 req.status, req.admitted = "running", now
             self.cohorts.append(cohort)
-            if self._prefix_exact(cohort):
+            if self._prefix_exact(cohort) or self._prefix_approx(cohort):
                 self._prefix_fresh.append(cohort)
             rows += cohort.b
             used += cohort.b * len(cohort.window.compute)
@@ -734,95 +816,37 @@ class Engine:
             c.last_forward = index
             self._count(c, c.decide(out))
 
-    # ---------------------------------------------------------------- device graphs
-    def _graphs_setup(self, args: EngineArgs) -> None:
-        """Device graphs for lockstep forwards: where the backend replays them (and ``graphs`` is
-        not False), a forward of b rows pads to the smallest bucket B >= b (``graph_buckets``) so
-        one capture serves every row count up to B; the pool gets the rows of the bucket of
-        ``max_num_seqs`` so the padding rows of the last cohort exist (``kv_pool_plan``: as far as
-        a KV budget holds them)."""
-        replays = self.model.backend.replays_graphs()
-        if args.graphs and not replays:
-            raise GenerationError(
-                f"EngineArgs: graphs=True but backend {self.model.backend.name} replays no device graphs "
-                "(cuda and ascend do with DINFER_GRAPHS=1)"
-            )
-        self.graphs = replays and args.graphs is not False
-        self.graph_buckets = graph_buckets(args) if self.graphs else ()
-        # b -> its bucket, for every b up to the largest bucket (a lookup per forward)
-        self._bucket_of: dict[int, int] = {}
-        for b in range(1, (self.graph_buckets or (0,))[-1] + 1):
-            self._bucket_of[b] = next(x for x in self.graph_buckets if x >= b)
-        self._replays = replays
+    # ---------------------------------------------------------------- device graphs (graph_buckets.py)
+    @property
+    def graphs(self) -> bool:
+        """Whether lockstep forwards pad to batch-size buckets and replay device graphs."""
+        return self.buckets.enabled
+
+    @property
+    def graph_buckets(self) -> tuple[int, ...]:
+        return self.buckets.sizes
 
     def _run_graphed(self, inputs: ForwardInputs):
-        """A forward on a backend that replays device graphs: a one-window forward of b rows runs
-        padded to its bucket B when the pool rows [start + b, start + B) hold no cohort (the
-        padding rows' K/V land there; the runner drops their outputs), else (a batch above the
-        largest bucket, per-row windows, the rows after it taken, graphs turned off) eagerly:
-        the graph caches capture nothing for it."""
-        st = self.stats
-        b = inputs.input_ids.shape[0]
-        bucket = self._bucket_of.get(b) if self.graphs and inputs.rows is None else None
-        if bucket is not None and bucket > b and inputs.cache is not None:
-            start = inputs.cache[0]
-            used = sum(c.b for c in self.cohorts) + sum(c.b for c in self.prefilling)
-            if start + b != used or start + bucket > self.pool_rows:
-                bucket = None
-        if bucket is None:
-            st.eager_forwards += 1
-            return self.runner(dataclasses.replace(inputs, graph=False))
-        st.graph_forwards += 1
-        if bucket == b:
-            return self.runner(inputs)
-        st.padded_rows += bucket - b
-        return self.runner(dataclasses.replace(inputs, pad_rows=bucket - b))
+        """A forward where the backend replays device graphs: at its bucket, or eager."""
+        used = sum(c.b for c in self.cohorts) + sum(c.b for c in self.prefilling)
+        return self.buckets.run(
+            self.runner, inputs, used=used, pool_rows=self.pool_rows, positions=self._graph_positions, stats=self.stats
+        )
 
     def graph_stats(self) -> dict:
-        """The model's device graphs: captures (in all and per batch rows), replays, eager calls,
-        graphs dropped (LRU) and the device memory the live ones hold (0 with a stand-in API or
-        without graphs), beside the engine's bucket counters."""
-        caches = [exe.graphs for exe in self.model._compiled.values() if hasattr(exe, "graphs")]
-        by_rows: dict[int, int] = {}
-        for g in caches:
-            for rows, n in g.captures_by_rows.items():
-                by_rows[rows] = by_rows.get(rows, 0) + n
-        st = self.stats
-        return {
-            "enabled": self.graphs,
-            "buckets": list(self.graph_buckets),
-            "captures": sum(g.captures for g in caches),
-            "captures_by_rows": dict(sorted(by_rows.items())),
-            "replays": sum(g.replays for g in caches),
-            "eager_calls": sum(g.eager for g in caches),
-            "evictions": sum(g.evictions for g in caches),
-            "graph_bytes": sum(g.nbytes for g in caches),
-            "graph_forwards": st.graph_forwards,
-            "eager_forwards": st.eager_forwards,
-            "padded_rows": st.padded_rows,
-        }
+        """Captures per bucket, replays, eager calls and graph memory (``GraphBuckets.report``)."""
+        return self.buckets.report(self.model, self.stats)
 
     def capture_graphs(self, params: SamplingParams, prompt_len: int = 16) -> dict:
-        """Warm-up (a server's start-up): one short static batch per batch-size bucket (at most
-        ``max_num_seqs`` rows; a bucket above it serves the padded largest batch) through this
-        engine's own pool, so each bucket's window shapes for ``params`` and a ``prompt_len``-token
-        prompt are captured before the first request (other shapes are captured on first use).
-        The engine's counters and prefix cache are reset after it; returns :meth:`graph_stats`.
-        Nothing to do without graphs."""
+        """Warm-up (a server's start-up): each bucket's window shapes for ``params`` captured
+        before the first request (``GraphBuckets.warm_up``). The engine's counters and prefix
+        cache are reset after it; returns :meth:`graph_stats`. Nothing to do without graphs."""
         if not self.graphs:
             return self.graph_stats()
-        params = params.for_model(self.model.spec)
-        n = min(prompt_len, max(1, self.max_model_len - params.gen_length))
-        prompt = [self.model.pad_id] * n
-        for bucket in self.graph_buckets:
-            rows = min(bucket, self.max_num_seqs)
-            if rows < bucket and bucket != self._bucket_of.get(self.max_num_seqs):
-                continue
-            self.submit_batch([list(prompt) for _ in range(rows)], params)
-            self.run_until_idle()
+        self.buckets.warm_up(self, params, prompt_len)
         self.stats = EngineStats(
             graph_forwards=self.stats.graph_forwards, eager_forwards=self.stats.eager_forwards,
-            padded_rows=self.stats.padded_rows,
+            padded_rows=self.stats.padded_rows, padded_positions=self.stats.padded_positions,
         )  # fmt: skip
         self.forward_s.clear()
         if self.prefix_cache is not None:
@@ -1020,7 +1044,7 @@ def run_batch(
     block = params.block_length if model.spec.block_causal else None
     args = EngineArgs.build(
         args, max_num_seqs=len(prompts), max_num_batched_tokens=2**62, max_model_len=n, prefix_cache_bytes=0,
-        kv_cache_memory=None, kv_cache_memory_fraction=None,
+        prefix_cache="auto", kv_cache_memory=None, kv_cache_memory_fraction=None,
     )  # fmt: skip  # one batch: nothing to share across requests; its pool is the batch's own (no budget)
     cohort = Cohort(model, prompts, params, args)
     shared = len(batch_groups(cohort, prompts)) > 1  # cohorts that share forwards

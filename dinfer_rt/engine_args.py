@@ -25,15 +25,23 @@ class EngineArgs:
     max_forward_tokens: int | None = 4096
     sync_every: int = 1  # check block completion every k steps (one host sync; extra forwards count in NFE)
     confidence_head: bool = True  # greedy score-only rules read the model's fused confidence head
-    # block prefix cache across requests (block-causal models; ``prefix_cache.py``): its byte
-    # budget; 0 turns it off, None: a default (10% of free CUDA/ROCm memory, else 1 GiB)
+    # block prefix cache across requests (``prefix_cache.py``): its byte budget; 0 turns it off,
+    # None: a default (10% of free CUDA/ROCm memory, else 1 GiB)
     prefix_cache_bytes: int | None = None
+    # which models get one (``PREFIX_CACHE_MODES``): "auto" where reuse is exact (block-causal
+    # families); "approximate" also bidirectional ones (LLaDA, LLaDA-MoE, Dream), whose prompt K/V
+    # depend on the generated tokens, so a hit may change the answer (docs/serving.md)
+    prefix_cache: str = "auto"
     # device graphs for lockstep forwards (``backends/triton/graphs.py``): None the backend's
     # default (``DINFER_GRAPHS`` on cuda / ascend), False eager; True where the backend replays none
     # is an error. With graphs, a cohort of b rows runs padded to the smallest bucket >= b
     graphs: bool | None = None
     # the batch-size buckets (None: ``default_graph_batch_sizes(max_num_seqs)``); larger batches run eager
     graph_batch_sizes: tuple[int, ...] | None = None
+    # with graphs, a lockstep forward's sequence (its keys, and a window over the whole of
+    # it) pads to the next multiple of this many positions (masked keys, dropped queries), so
+    # prompts of many lengths share one capture per bucket; 0: exact lengths (a capture per length)
+    graph_length_step: int = 256
     # chunked prefill (block-causal models): the most prompt tokens one step computes for a request
     # whose prompt is still being prefilled (whole blocks, at least one); None: what
     # max_num_batched_tokens leaves beside the running rows; 0: off (a long prompt waits for room)
@@ -54,6 +62,9 @@ class EngineArgs:
             if f.name == "kv_cache_memory_fraction":
                 _check_fraction(v, self.kv_cache_memory)
                 continue
+            if f.name == "prefix_cache":
+                _check_prefix_cache(v, self.prefix_cache_bytes)
+                continue
             if f.name == "confidence_head":
                 if not isinstance(v, bool):
                     raise GenerationError(f"EngineArgs: confidence_head must be a bool, got {v!r}")
@@ -61,7 +72,8 @@ class EngineArgs:
             nullable = ("max_queue", "max_model_len", "max_forward_tokens", "prefix_cache_bytes", "kv_cache_memory")
             if v is None and f.name in (*nullable, "max_prefill_chunk_tokens"):
                 continue
-            low = 0 if f.name in ("max_queue", "prefix_cache_bytes", "max_prefill_chunk_tokens") else 1
+            zero_ok = ("max_queue", "prefix_cache_bytes", "max_prefill_chunk_tokens", "graph_length_step")
+            low = 0 if f.name in zero_ok else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise GenerationError(f"EngineArgs: {f.name} must be an int >= {low}, got {v!r}")
         return self
@@ -75,6 +87,23 @@ class EngineArgs:
         if unknown:
             raise GenerationError(f"unknown engine argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return dataclasses.replace(args or cls(), **overrides).validate()
+
+
+PREFIX_CACHE_MODES = ("auto", "approximate")
+
+
+def _check_prefix_cache(v, budget) -> None:
+    """An approximate prefix cache is asked for on purpose: with the cache off it is a
+    contradiction, not something to ignore."""
+    if v not in PREFIX_CACHE_MODES:
+        raise GenerationError(
+            f"EngineArgs: prefix_cache must be one of {', '.join(PREFIX_CACHE_MODES)} (--prefix-cache), got {v!r}"
+        )
+    if v == "approximate" and budget == 0:
+        raise GenerationError(
+            "EngineArgs: prefix_cache 'approximate' contradicts prefix_cache_bytes 0 (the cache off; "
+            "--prefix-cache approximate, --no-prefix-cache / --prefix-cache-bytes 0); give one of them"
+        )
 
 
 def _check_fraction(v, kv_cache_memory) -> None:

@@ -65,6 +65,9 @@ class ForwardInputs:
     precision: str | None = None
     graph: bool = True  # False: run eagerly even where the backend replays device graphs
     pad_rows: int = 0  # rows appended (mask ids, every key valid) up to a graph's batch size; outputs dropped
+    # positions appended to the sequence up to a graph's length bucket: masked keys, and queries
+    # (outputs dropped) where the window is the whole sequence
+    pad_length: int = 0
 
 
 _GRAPHS = threading.local()
@@ -103,13 +106,58 @@ def run_rows(model: Model, inputs: ForwardInputs, rows: CachePoolRows):
     first (what every runner and follower calls): the pad rows compute the same window over
     the pool rows after the real ones (free rows: the engine checks), and only the real rows'
     outputs come back."""
+    width = None  # the window's outputs before length padding (logits only; None: not trimmed)
+    if inputs.pad_length:
+        inputs, width = _lengthened(model, inputs, inputs.pad_length)
     pad = inputs.pad_rows
     if not pad:
-        return run_on(model, inputs, rows.view(inputs.cache))
+        out = run_on(model, inputs, rows.view(inputs.cache))
+        return out if width is None else out[:, :width]
     padded = _padded(model, inputs, pad)
     out = run_on(model, padded, rows.view(padded.cache))
     b = inputs.input_ids.shape[0]
-    return tuple(o[:b] for o in out) if isinstance(out, tuple) else out[:b]
+    if isinstance(out, tuple):
+        return tuple(o[:b] for o in out)
+    return out[:b] if width is None else out[:b, :width]
+
+
+def _lengthened(model: Model, inputs: ForwardInputs, pad: int) -> tuple[ForwardInputs, int | None]:
+    """``inputs`` with ``pad`` positions appended to the sequence (a graph's length bucket): mask
+    ids that no query sees (``attention_mask`` 0 there, so the real rows' answers are unchanged),
+    computed as well where the window is the whole sequence (its width then follows the bucket,
+    not the length). Their K/V land past the sequence in its own pool rows. Returns the
+    inputs and, for a logits forward whose window grew, the width to trim its output to."""
+    if inputs.rows is not None:
+        raise DinferError("per-row query windows are never padded to a graph's length bucket")
+    ids = inputs.input_ids
+    b, n = ids.shape
+    m = n + pad
+    key = ("graph_len_ids", b, m, ids.dtype, ids.device)
+    buf = model._memo(key, lambda: torch.empty((b, m), dtype=ids.dtype, device=ids.device))
+    buf[:, :n].copy_(ids)
+    buf[:, n:].fill_(model.mask_id)
+    mask = inputs.attention_mask
+    dev, dtype = (ids.device, torch.long) if mask is None else (mask.device, mask.dtype)
+    full = model._memo(("graph_len_mask", b, m, dtype, dev), lambda: torch.empty((b, m), dtype=dtype, device=dev))
+    full[:, n:].fill_(0)
+    if mask is None:
+        full[:, :n].fill_(1)
+    else:
+        full[:, :n].copy_(mask)
+    compute, width = inputs.compute, None
+    # a window over the whole sequence (a refresh, an uncached forward) grows with it; the others
+    # ([s, e) blocks, [s, n) suffixes) have widths of the generation's blocks, not of the prompt
+    if compute is None or (len(compute) and int(compute[0]) == 0 and int(compute[-1]) == n - 1):
+        if compute is not None:
+            key = ("graph_len_compute", id(compute), compute._version, len(compute), n, m)
+            tail = torch.arange(n, m, dtype=compute.dtype, device=compute.device)
+            compute = model._memo(key, lambda: (torch.cat((compute, tail)), compute))[0]
+        width = n if inputs.compute is None else len(inputs.compute)
+        if inputs.select is not None:
+            width = None  # the confidence head answers for ``select`` only
+    cache = None if inputs.cache is None else (inputs.cache[0], inputs.cache[1], m)
+    out = dataclasses.replace(inputs, input_ids=buf, attention_mask=full, compute=compute, cache=cache, pad_length=0)
+    return out, width
 
 
 def _padded(model: Model, inputs: ForwardInputs, pad: int) -> ForwardInputs:
@@ -217,10 +265,12 @@ class LeadRunner(LocalRunner):
     ``("move", moves)``, ``("run", inputs)``, ``("idle",)`` (a heartbeat while nothing runs, so
     a follower's wait never reaches the group's timeout), ``("stop",)``."""
 
-    def __init__(self, model: Model, group, src: int) -> None:
+    def __init__(self, model: Model, group, src: int, timeout_s: float | None = None) -> None:
         super().__init__(model)
         self.group, self.src = group, src
         self.stopped = False
+        self.timeout_s = timeout_s  # the group's collective timeout, for messages
+        self.lost: GroupLost | None = None  # set when the group broke: every later call raises it
         from dinfer_rt.parallel import BEFORE_LEAVING
 
         BEFORE_LEAVING.append(self.stop)  # a lead leaving its group releases its followers first
@@ -234,7 +284,26 @@ class LeadRunner(LocalRunner):
     def send(self, msg: tuple) -> None:
         import torch.distributed as dist
 
-        dist.broadcast_object_list([msg], src=self.src, group=self.group)
+        if self.lost is not None:
+            raise self.lost
+        try:
+            dist.broadcast_object_list([msg], src=self.src, group=self.group)
+        except Exception as e:
+            raise self._broke(e) from e
+
+    def _broke(self, err: BaseException) -> GroupLost:
+        """The group cannot run another forward: a collective failed (a peer died, or hung past the
+        timeout) or the lead's forward failed while the followers ran theirs (they now wait in
+        a collective the lead skipped, out of step for good)."""
+        wait = "the group's collective timeout"
+        if self.timeout_s is not None:
+            wait = f"the {self.timeout_s:.0f} s collective timeout (--distributed-timeout)"
+        self.lost = GroupLost(
+            f"the tensor-parallel group broke on its lead rank ({type(err).__name__}: {err}): a peer rank died, "
+            f"or hung past {wait}, or a forward failed on the lead and left the ranks out of step; this group "
+            "runs no more forwards"
+        )
+        return self.lost
 
     def bind(self, pool: KVCache | None) -> None:
         super().bind(pool)
@@ -247,7 +316,14 @@ class LeadRunner(LocalRunner):
 
     def __call__(self, inputs: ForwardInputs):
         self.send(("run", _on_host(inputs)))
-        return super().__call__(inputs)
+        try:
+            return super().__call__(inputs)
+        except Exception as e:
+            raise self._broke(e) from e
+
+
+class GroupLost(DinferError):
+    """A model-parallel group can run no more forwards (``LeadRunner``): its replica stops."""
 
 
 def _on_host(inputs: ForwardInputs) -> ForwardInputs:

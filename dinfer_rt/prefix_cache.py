@@ -16,8 +16,18 @@ ones it inserted) until it ends, and a held block is never evicted. Under the by
 least recently used block that nothing holds and that has no cached successor is evicted first
 (a parent outlives its children: evicting it would leave them unreachable but still counted).
 
+Bidirectional models (LLaDA, LLaDA-MoE, Dream) get a cache only when asked
+(``EngineArgs.prefix_cache = "approximate"``, ``serve --prefix-cache approximate``): every prompt
+K/V there depends on the whole sequence, generated tokens included, so a cached block is only an
+approximation of what the new request would compute. What is approximated: a hit copies the
+prompt blocks' K/V of an earlier request's *first forward* (its prompt and an all-masked answer)
+and the new request never recomputes them (``Cohort.cached_prefix``), not even at the block-start
+refreshes of ``prefix`` / ``dual``; that is where the saving comes from, and why the answer may
+differ from a cold run. ``PrefixCache.approximate`` says which kind an engine holds.
+
 The engine (``engine.py``) decides which requests may use the cache and which of a request's
-blocks hold exact K/V; this module only stores, finds and evicts them.
+blocks hold exact (or, approximate mode, first-forward) K/V; this module only stores, finds and
+evicts them.
 """
 
 from __future__ import annotations
@@ -73,16 +83,24 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    """Cached blocks under a byte budget (``budget_bytes`` > 0); used by one engine thread."""
+    """Cached blocks under a byte budget (``budget_bytes`` > 0); used by one engine thread.
+    ``approximate``: the blocks are a bidirectional model's (a hit may change the answer), so
+    whoever reports the cache (start-up line, ``/metrics``) can say so."""
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, *, approximate: bool = False) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
             raise GenerationError(
                 f"prefix_cache_bytes must be an int >= 1 for a prefix cache (0 turns it off), got {budget_bytes!r}"
             )
         self.budget = budget_bytes
+        self.approximate = bool(approximate)
         self.stats = PrefixCacheStats()
         self._blocks: OrderedDict[bytes, CachedBlock] = OrderedDict()  # least recently used first
+
+    @property
+    def mode(self) -> str:
+        """The mode: "exact" (a hit decodes as cold) or "approximate" (a bidirectional model's blocks)."""
+        return "approximate" if self.approximate else "exact"
 
     def __len__(self) -> int:
         return len(self._blocks)

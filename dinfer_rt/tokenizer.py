@@ -63,9 +63,10 @@ class Tokenizer:
         """The raw bytes ``token_id`` stands for (OpenAI's logprobs ``bytes``). A token that holds
         part of a multi-byte character decodes alone to U+FFFD, so its text's UTF-8 would be
         wrong: a byte-level BPE piece maps back through GPT-2's byte-to-unicode table, a
-        sentencepiece byte-fallback piece ``<0xNN>`` is the byte NN, an added or special token is
-        its content's UTF-8 (literal text, never byte-mapped); any other token (word pieces) is the
-        UTF-8 of its decoding alone, as :meth:`decode` gives it."""
+        sentencepiece byte-fallback piece ``<0xNN>`` is the byte NN and its word pieces their text
+        with "▁" as the space it stands for (the first token of a text keeps the space the decoder
+        strips), an added or special token is its content's UTF-8 (literal text, never
+        byte-mapped); any other token is the UTF-8 of its decoding alone, as :meth:`decode` gives it."""
         added = self._added.get(token_id)
         if added is not None:
             return added.encode()
@@ -73,8 +74,11 @@ class Tokenizer:
         if piece is not None:
             if self._byte_pieces == "byte_level" and all(c in _BYTE_OF_CHAR for c in piece):
                 return bytes(_BYTE_OF_CHAR[c] for c in piece)
-            if self._byte_pieces == "byte_fallback" and (m := _BYTE_FALLBACK_PIECE.fullmatch(piece)):
-                return bytes([int(m.group(1), 16)])
+            if self._byte_pieces == "byte_fallback":
+                if m := _BYTE_FALLBACK_PIECE.fullmatch(piece):
+                    return bytes([int(m.group(1), 16)])
+                # a word piece: "▁" is the space before a word, which decoding it alone strips
+                return piece.replace("\u2581", " ").encode()
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8", "surrogatepass")
 
     @functools.cached_property

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import asdict, fields
@@ -46,12 +47,13 @@ class RelayedPrefixCache(NamedTuple):
 
     stats: PrefixCacheStats
     budget: int
+    approximate: bool = False  # a bidirectional model's, under --prefix-cache approximate
 
 
 def _prefix_report(engine) -> dict | None:
     """The engine's prefix-cache stats and budget, to relay (None: it has no prefix cache)."""
     cache = engine.prefix_cache
-    return None if cache is None else {**asdict(cache.stats), "budget": cache.budget}
+    return None if cache is None else {**asdict(cache.stats), "budget": cache.budget, "approximate": cache.approximate}
 
 
 class ReplicaError(DinferError):
@@ -69,6 +71,7 @@ def replica_main(
     tp_size: int = 1,
     rendezvous: str | None = None,
     expert_parallel: bool = False,
+    collective_timeout: float = 600.0,
 ) -> None:
     """One replica process (with ``tp_size`` > 1: rank ``tp_rank`` of replica ``index``'s
     tensor-parallel group): load, report "ready", then apply commands and step the engine.
@@ -80,7 +83,7 @@ def replica_main(
     from dinfer_rt import parallel
     from dinfer_rt.engine import Engine
     from dinfer_rt.loader import load_model
-    from dinfer_rt.model_runner import LeadRunner, follow
+    from dinfer_rt.model_runner import GroupLost, LeadRunner, follow
     from dinfer_rt.parallel import RENDEZVOUS_ENV, bind_device, init_group, leave_group, load_sharded
     from dinfer_rt.plugins import select_backend
 
@@ -94,12 +97,13 @@ def replica_main(
             from dinfer_rt.ir import ops
 
             os.environ[RENDEZVOUS_ENV] = rendezvous
-            # a rank whose lead died (or whose front end was killed) stops waiting after this long
-            init_group(load.get("backend"), index * tp_size + tp_rank, replicas * tp_size, tp_size, timeout_s=600)
+            # a collective waiting on a rank that died or hung fails after this long
+            rank = index * tp_size + tp_rank
+            init_group(load.get("backend"), rank, replicas * tp_size, tp_size, timeout_s=collective_timeout)
             group = ops.COLLECTIVE_GROUPS["tp"]
             args = (load.get("path"), tp_rank, tp_size, load.get("backend"), load.get("dtype"), expert_parallel)
             model = load_sharded(*args)
-            runner = LeadRunner(model, group, src) if lead else None
+            runner = LeadRunner(model, group, src, timeout_s=collective_timeout) if lead else None
         else:
             bind_device(select_backend(load.get("backend")), index)
             model = load_model(**load)
@@ -123,6 +127,7 @@ def replica_main(
     # K/V bytes: this rank's share under TP), so the front admits and refuses as this engine would
     info.update(kv_rows=engine.max_num_seqs, kv_pool_bytes=engine.kv_pool_bytes)
     info["kv_bytes_per_position"] = engine.kv_bytes_per_position
+    info["prefix_cache_summary"] = engine.prefix_cache_summary()
     outbox.put(("ready", index, {**info, "block_size": engine.block_size, "pid": os.getpid()}))
 
     def listener(req: Request, event: str) -> None:
@@ -140,6 +145,7 @@ def replica_main(
             msg["prefix_cache"] = _prefix_report(engine)
         outbox.put(("event", index, req.id, event, msg))
 
+    lost_peer = False
     try:
         while os.getppid() == parent:  # an orphaned replica (the front end was killed) exits
             commands = _take_commands(inbox, engine.has_work())
@@ -147,25 +153,31 @@ def replica_main(
                 return
             if engine.has_work():
                 engine.step()
+                if runner is not None and runner.lost is not None:  # its requests failed naming it
+                    runner, lost_peer = None, True
+                    break
                 stats = {k: getattr(engine.stats, k) for k in _STAT_FIELDS}
                 stats.update(running=engine.num_running, waiting=engine.num_waiting)
                 outbox.put(("step", index, {**stats, "prefix_cache": _prefix_report(engine)}))
             elif runner is not None:  # followers wait in a collective: keep it short of the timeout
                 runner.send(("idle",))
-    except RuntimeError:  # a collective failed: a follower rank is gone (the front end names it)
-        if runner is None:
-            raise
-        runner = None
+    except GroupLost:  # a collective failed or timed out (a follower rank died or hung), or a forward failed
+        runner, lost_peer = None, True
     finally:
         if runner is not None:
             try:
                 runner.stop()
-            except RuntimeError:
+            except (RuntimeError, GroupLost):
                 pass
         if group is not None:
             leave_group(wait=False)
+    if lost_peer:  # the front end names it (``LOST_PEER_EXIT_CODE``) and stops the group's other ranks
+        sys.exit(LOST_PEER_EXIT_CODE)
 
 
+LOST_PEER_EXIT_CODE = 4
+"""A tensor-parallel lead's exit code when a collective failed or timed out (``collective_timeout``):
+a follower rank died or hung, so the group cannot run another forward."""
 ORPHAN_POLL_S = 0.2
 ORPHANED_EXIT_CODE = 3
 """A replica process's exit code when it found its front end gone (its parent pid changed)."""
@@ -246,9 +258,12 @@ class ReplicaPool:
         timeout: float = 600.0,
         tp_size: int = 1,
         expert_parallel: bool = False,
+        collective_timeout: float = 600.0,
     ):
         """``tp_size`` > 1: each replica is a tensor-parallel group of that many rank processes,
-        each loading its shard once (``expert_parallel``: MoE layers split whole experts)."""
+        each loading its shard once (``expert_parallel``: MoE layers split whole experts). A
+        collective that waits more than ``collective_timeout`` seconds on a rank (dead or hung)
+        ends that replica: its requests fail naming it and its other ranks are killed."""
         import tempfile
 
         import torch.multiprocessing as mp
@@ -276,7 +291,7 @@ class ReplicaPool:
         kwargs = {**engine_kwargs, "max_queue": None}  # the front end bounds the queue
         self._store = tempfile.mkdtemp(prefix="dinfer-replicas-") if tp_size > 1 else None
         rendezvous = None if self._store is None else "file://" + os.path.join(self._store, "store")
-        self.tp_size = tp_size
+        self.tp_size, self.collective_timeout = tp_size, collective_timeout
         self.ranks = [  # per replica, its rank processes (rank 0 first)
             [
                 ctx.Process(
@@ -292,6 +307,7 @@ class ReplicaPool:
                         tp_size,
                         rendezvous,
                         expert_parallel,
+                        collective_timeout,
                     ),
                     daemon=True,
                 )  # fmt: skip
@@ -331,9 +347,11 @@ class ReplicaPool:
         # may hold fewer than max_num_seqs; with kv_cache_memory_fraction they may differ between
         # devices) and one position's K/V bytes, which admission names for a request too long
         self.kv_rows = [ready[i]["kv_rows"] for i in range(replicas)]
-        self._kv_bytes = [ready[i]["kv_pool_bytes"] for i in range(replicas)]
-        self.kv_bytes_per_position: int = info["kv_bytes_per_position"]
+        # (a rank's engine reports its shard: a group holds tp_size shards, split or replicated heads alike)
+        self._kv_bytes = [ready[i]["kv_pool_bytes"] * tp_size for i in range(replicas)]
+        self.kv_bytes_per_position: int = info["kv_bytes_per_position"] * tp_size
         self.max_queue = max_queue
+        self._prefix_summary: str = info["prefix_cache_summary"]
         self.capacities = [rows + max_queue for rows in self.kv_rows]  # requests in flight per replica, at most
         self.replicas = replicas
         self.inflight: dict[str, tuple[Request, int]] = {}
@@ -387,6 +405,10 @@ class ReplicaPool:
         cmd = ("submit", req.id, list(prompt), params, max_tokens, return_canvas, stream_provisional, priority)
         self.inboxes[i].put(cmd)
         return req
+
+    def prefix_cache_summary(self) -> str:
+        """The start-up line on the replicas' prefix cache (replica 0's: every replica is built alike)."""
+        return self._prefix_summary
 
     @property
     def capacity(self) -> int:
@@ -445,7 +467,8 @@ class ReplicaPool:
         if not reports:
             return None
         stats = PrefixCacheStats(**{k: sum(r[k] for r in reports) for k in _PREFIX_FIELDS})
-        return RelayedPrefixCache(stats, sum(r["budget"] for r in reports))
+        approximate = any(r.get("approximate", False) for r in reports)
+        return RelayedPrefixCache(stats, sum(r["budget"] for r in reports), approximate)
 
     def step(self) -> list[Request]:
         """Apply the replicas' events (waiting up to 50 ms for the first); the finished requests."""
@@ -482,6 +505,9 @@ class ReplicaPool:
                 if p.is_alive():
                     p.terminate()
                     p.join(timeout=5)
+                if p.is_alive():  # a hung or stopped rank never handles SIGTERM
+                    p.kill()
+                    p.join(timeout=5)
         if self._store is not None:
             import shutil
 
@@ -503,6 +529,23 @@ class ReplicaPool:
     def _name(self, i: int, rank: int) -> str:
         return f"replica {i} rank {rank}" if self.tp_size > 1 else f"replica {i}"
 
+    def _why(self, i: int, dead: list[tuple[int, int]]) -> str:
+        """What ended replica ``i``, from its ranks that exited (rank, exit code): a rank that died
+        is named before a lead that only lost it (``LOST_PEER_EXIT_CODE``)."""
+        rank, code = sorted(dead, key=lambda d: (d[1] == LOST_PEER_EXIT_CODE, d[0]))[0]
+        if code == LOST_PEER_EXIT_CODE and rank == 0 and self.tp_size > 1:
+            return (
+                f"replica {i}: its tensor-parallel group broke (one of ranks 1..{self.tp_size - 1} died or hung past "
+                f"the {self.collective_timeout:.0f} s --distributed-timeout, or a forward failed on rank 0); "
+                "its ranks were stopped"
+            )
+        if code == -6 and rank == 0 and self.tp_size > 1:  # NCCL's watchdog aborts (SIGABRT) a timed-out lead
+            return (
+                f"replica {i} rank 0 died (exit code {code}; a collective past the {self.collective_timeout:.0f} s "
+                "--distributed-timeout aborts the process under NCCL: a peer rank may have died or hung)"
+            )
+        return f"{self._name(i, rank)} died (exit code {code})"
+
     # ---------------------------------------------------------------- events
     def _on_event(self, index: int, rid: str, event: str, msg: dict, finished: list[Request]) -> None:
         entry = self.inflight.get(rid)
@@ -522,10 +565,9 @@ class ReplicaPool:
             req.output_ids, req.text = msg.get("output_ids", []), msg.get("text", "")
             req.forwards = msg.get("forwards", 0)
             error = msg.get("error")
-            dead = self._dead_ranks(index) if error is not None else []
+            dead = self._dead_ranks(index) if error is not None and not error.startswith("GroupLost") else []
             if dead:  # a collective failed because a peer rank died: name the rank, not the library
-                rank, code = dead[0]
-                error = f"{self._name(index, rank)} died (exit code {code}) while serving this request"
+                error = f"{self._why(index, dead)} while serving this request"
                 self._finish(req, index, msg["reason"], ReplicaError(error), finished)
                 return
             self._finish(req, index, msg["reason"], None if error is None else GenerationError(error), finished)
@@ -548,12 +590,12 @@ class ReplicaPool:
                 self._reported[i] = {**self._reported[i], "running": 0, "waiting": 0}
                 if self._prefix[i] is not None:  # its counters stay; the blocks it held are gone
                     self._prefix[i] = {**self._prefix[i], **dict.fromkeys(_PREFIX_GAUGES, 0)}
-                for p in self.ranks[i]:  # the group's other ranks would wait on the dead one forever
-                    if p.exitcode is None:
-                        p.terminate()
-                rank, code = dead[0]
-                self.deaths.append(f"{self._name(i, rank)} died (exit code {code})")
+                for p in self.ranks[i]:  # the group's other ranks would wait on the dead one: killed
+                    if p.exitcode is None:  # (SIGKILL: a hung, even a stopped, rank never handles SIGTERM)
+                        p.kill()
+                why = self._why(i, dead)
+                self.deaths.append(why)
                 lost = [req for req, r in list(self.inflight.values()) if r == i]
                 for req in lost:
-                    err = ReplicaError(f"{self._name(i, rank)} died (exit code {code}) while serving this request")
+                    err = ReplicaError(f"{why} while serving this request")
                     self._finish(req, i, "error", err, finished)

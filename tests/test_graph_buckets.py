@@ -251,6 +251,8 @@ def test_gpu_check_section_runs_on_the_cpu(monkeypatch):
     assert out["burst_equal_outputs"] == "6/6" and [r["equal"] for r in out["static_batches"]] == ["3/3", "4/4"]
     assert [r["bucket"] for r in out["static_batches"]] == [4, 4]
     assert out["static_batches"][1]["new_captures"] == 0 or out["evictions"] > 0
+    assert out["lengths_equal"] == "4/4" and len(set(out["lengths_prompt_tokens"])) > 1
+    assert out["lengths_new_captures_after_first"] == 0 or out["evictions"] > 0
     assert set(out["captures_by_rows"]) <= set(out["buckets"])
     lines = gpu_check.render({"device": "cpu", "engine_graph_buckets": out, "section_s": {"engine_graph_buckets": 1}})
     assert any("graph memory" in line for line in lines)
@@ -276,3 +278,130 @@ def test_the_server_warms_the_buckets_up_and_reports_them(monkeypatch):
     assert engine.graph_buckets == (1, 2) and sorted(set(api.rows)) == [1, 2]
     text = app.state.metrics.text(engine).decode()
     assert f"dinfer_graph_captures {float(len(api.rows))}" in text
+
+
+# ---------------------------------------------------------------- length buckets (graph_length_step)
+
+
+def test_length_buckets_round_up_within_the_pool():
+    from dinfer_rt.graph_buckets import GraphBuckets
+
+    class Replays:
+        name = "stand-in"
+
+        def replays_graphs(self):
+            return True
+
+    buckets = GraphBuckets(Replays(), EngineArgs(graph_length_step=16))
+    assert [buckets.length_of(n, limit=40) for n in (1, 16, 17, 33, 40)] == [16, 16, 32, 40, 40]
+    assert buckets.length_of(50, limit=40) == 50  # never below the sequence
+    assert GraphBuckets(Replays(), EngineArgs(graph_length_step=0)).length_of(13, limit=40) == 13
+    with pytest.raises(GenerationError, match="graph_length_step"):
+        EngineArgs.build(graph_length_step=-1)
+
+
+@pytest.mark.parametrize("confidence", [False, True])
+@pytest.mark.parametrize("window", ["whole", "block", "uncached"])
+def test_length_padded_forward_leaves_the_real_positions_as_unpadded(reference, confidence, window):
+    """A forward whose sequence is padded by 6 positions (masked keys; a whole-sequence window also
+    computes them, its extra outputs dropped): the outputs and the sequence's K/V equal the
+    unpadded forward's within float32 rounding (more keys and query rows change the kernels'
+    blocking, as a batch-size bucket does on a device; the tokens are checked equal below), and
+    nothing is written past the bucket."""
+    from dinfer_rt.model_runner import ForwardInputs, LocalRunner
+
+    model = reference
+    n, b, grow = 10, 3, 6
+    ids = torch.tensor(prompts(b, length=n, seed=4))
+    attn = torch.ones(b, n, dtype=torch.long)
+    attn[1, :3] = 0
+    compute = {"whole": None, "block": torch.arange(6, 10), "uncached": None}[window]
+    cached = window != "uncached"
+    select = torch.arange(6, 10) if confidence else None
+    outs, pools = [], []
+    for pad in (0, grow):
+        pool = model.new_cache(4, n + grow + 1)
+        runner = LocalRunner(model)
+        runner.bind(pool)
+        inputs = ForwardInputs(
+            ids, attn, compute=compute, cache=(0, b, n) if cached else None, select=select, pad_length=pad,
+            pad_rows=1 if pad else 0,
+        )  # fmt: skip
+        out = runner(inputs)
+        outs.append(tuple(o.clone() for o in out) if confidence else out.clone())
+        pools.append(pool)
+    if confidence:  # (score, argmax): the same tokens, scores within rounding
+        assert torch.equal(outs[0][1], outs[1][1])
+        torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-4, atol=1e-5)
+    else:
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-5)
+    if cached:
+        for k0, k1 in zip(pools[0].k + pools[0].v, pools[1].k + pools[1].v):
+            torch.testing.assert_close(k0[:b, :n], k1[:b, :n], rtol=1e-4, atol=1e-5)
+            assert k1[:, n + grow :].abs().sum() == 0  # the scratch slot past the bucket untouched
+
+
+@pytest.mark.parametrize("cache", ["dual", "prefix", "none"])
+def test_prompts_of_many_lengths_share_one_capture_per_length_bucket(ckpt_dir, monkeypatch, reference, cache):
+    """Lone requests with prompts of 3, 5 and 7 tokens (sequences of 11, 13 and 15 positions): with
+    ``graph_length_step`` 16 they pad to one length and capture each window shape once; with 0 every
+    length captures its own. Tokens equal the eager decode alone either way."""
+    params = SamplingParams(strategy="threshold", threshold=0.7, cache=cache, gen_length=8, block_length=4)
+    batch = [p[:k] for k, p in zip((3, 5, 7), prompts(3, length=7, seed=30))]
+    want = [eager(reference, [p], params)[0] for p in batch]
+    captured = {}
+    for step in (16, 0):
+        model, api = graphed_model(ckpt_dir("llada"), monkeypatch)
+        model._compiled.clear()  # the uncached executable compiled at load: graphed as on a device
+        engine = Engine(model, max_num_seqs=2, graph_length_step=step, **ARGS)
+        assert [decode(engine, [p], params)[0] for p in batch] == want, step
+        captured[step] = engine.graph_stats()["captures"]
+        assert (engine.stats.padded_positions > 0) == (step > 0)
+    # dual: the refresh and the block step; prefix: the refresh and one [s, n) suffix per block
+    shapes = {"dual": 2, "prefix": 3, "none": 1}[cache]
+    assert captured[16] == shapes and captured[0] == 3 * shapes, captured
+
+
+@pytest.mark.parametrize("name", ["dream", "llada2"])
+def test_length_buckets_with_shifted_logits_and_block_causal_masks(ckpt_dir, monkeypatch, name):
+    """Dream (shifted logits, positions from the left padding) and LLaDA2 (block-causal) with the
+    confidence head and batches of prompts of different lengths: length-padded bucket forwards give
+    the eager tokens."""
+    path = ckpt_dir(name)
+    model, api = graphed_model(path, monkeypatch)
+    ref = dinfer_rt.load_model(path, backend="cpu")
+    params = SamplingParams(strategy="threshold", threshold=0.7, gen_length=8, block_length=4)
+    engine = Engine(model, max_num_seqs=4, graph_length_step=16, prefix_cache_bytes=0)
+    for size, seed in ((3, 11), (1, 12), (2, 13)):
+        batch = [p[: 3 + 2 * i] for i, p in enumerate(prompts(size, length=8, seed=seed))]
+        assert decode(engine, batch, params) == [r.output_ids for r in run_batch(ref, batch, params).requests]
+    assert engine.stats.graph_forwards > 0 and engine.stats.padded_positions > 0
+
+
+def test_the_graph_flags_reach_the_engine_args():
+    from dinfer_rt.cli import _engine_args, build_parser
+
+    parser = build_parser()
+    a = parser.parse_args(["serve", "--graphs", "on", "--graph-batch-sizes", "1,4", "--graph-length-step", "64"])
+    got = _engine_args(a)
+    assert (got["graphs"], got["graph_batch_sizes"], got["graph_length_step"]) == (True, (1, 4), 64)
+    assert _engine_args(parser.parse_args(["generate", "hello"]))["graph_length_step"] == 256
+    assert EngineArgs.build(**_engine_args(a)).graph_length_step == 64
+
+
+@pytest.mark.parametrize("confidence", [False, True])
+def test_row_slices_of_an_uncached_forward_keep_their_own_replayed_outputs(
+    ckpt_dir, monkeypatch, reference, confidence
+):
+    """A batch run in row slices (``max_forward_tokens``) without a cache: every slice replays the
+    same graph (no pool address tells them apart), whose outputs are its static buffers; each
+    slice's outputs are copied before the next replays, so the tokens equal eager ones."""
+    params = SamplingParams(strategy="threshold", threshold=0.7, cache="none", gen_length=8, block_length=4)
+    args = {"confidence_head": confidence, "prefix_cache_bytes": 0, "max_forward_tokens": 28}
+    model, api = graphed_model(ckpt_dir("llada"), monkeypatch)
+    model._compiled.clear()  # the uncached executable compiled at load: graphed as on a device
+    engine = Engine(model, max_num_seqs=4, **args)
+    batch = prompts(4, seed=50)
+    want = [r.output_ids for r in run_batch(reference, batch, params, args=EngineArgs(**args)).requests]
+    assert decode(engine, batch, params) == want
+    assert engine.graph_stats()["replays"] > 0

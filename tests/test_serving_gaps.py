@@ -134,6 +134,17 @@ def test_served_replicas_answer_a_batch_past_their_kv_rows_with_a_429_naming_the
         assert full.status_code == 429, full.text  # max_num_seqs (8) + max_queue would have admitted 18
         message = full.json()["error"]["message"]
         assert "KV pool rows + max_queue 1 requests" in message and "holds 2 of 2 (1 rows)" in message
+        # the replicas' pools in /metrics; a request too long for a row is told its K/V bytes
+        assert s.metric("dinfer_kv_pool_rows") == 2 and s.metric("dinfer_kv_pool_bytes") == 2 * EMBEDDED_ROW
+        long = httpx.post(url, json={**body, "prompt": [7] * 60, "max_tokens": 3}, timeout=60)  # 60 + 8 > 64
+        per = EMBEDDED_ROW // 65
+        assert long.status_code == 400, long.text
+        assert f"(its K/V would need 612.0 KiB, {68 * per} bytes: 68 positions x {per} bytes; " in long.text
+        assert s.metric("dinfer_prefix_cache_approximate") == 0
+        s.proc.terminate()
+        s.proc.wait(timeout=60)
+        log = s.proc.stdout.read()
+        assert "dinfer-rt prefix cache: off (--no-prefix-cache / --prefix-cache-bytes 0)" in log, log[-2000:]
     finally:
         s.stop()
 
@@ -188,15 +199,22 @@ def test_logprobs_bytes_of_byte_tokens_join_into_the_split_characters(make, tmp_
     assert len(split) >= 6, "é and 😀 must each be split into byte tokens for this test"
     tops = [[(t, -0.5), (ids[0], -1.5)] for t in ids]  # alternatives: the token itself and the first one
     content = choice_logprobs(tok, True, ids, [-0.5] * len(ids), tops)["content"]
-    assert b"".join(bytes(c["bytes"]) for c in content) == text.encode()
+    # sentencepiece: "▁" is a space, the one its Metaspace pre-tokenizer puts before the text
+    lead = b" " if make is _byte_fallback else b""
+    assert b"".join(bytes(c["bytes"]) for c in content) == lead + text.encode()
     for c, t in zip(content, ids):
         assert c["token"] == tok.decode([t], skip_special_tokens=False)  # still a string, U+FFFD when split
         assert [a["bytes"] for a in c["top_logprobs"]] == [c["bytes"], content[0]["bytes"]]
     assert [content[i]["bytes"] for i in range(len(ids)) if ids[i] in split] == [
         [b] for b in "é😀".encode()
     ]  # one byte each
-    # a token that is whole text: its bytes are its text's UTF-8, as before
-    assert all(bytes(c["bytes"]) == c["token"].encode() for c in content if c["token"] != "\ufffd")
+    # a token that is whole text: its bytes are its text's UTF-8 (sentencepiece: "▁" a space)
+    whole = [c for c in content if c["token"] != "\ufffd"]
+    assert all(bytes(c["bytes"]).strip() == c["token"].encode().strip() for c in whole)
+    if make is _byte_fallback:  # a word after a space keeps it, so the bytes join into the text
+        words = tok.encode("ab ab")
+        joined = b"".join(tok.token_bytes(t) for t in words)
+        assert joined == b" ab ab" and tok.decode(words) == "ab ab"
 
 
 def test_a_special_tokens_bytes_are_its_text_not_byte_mapped(tmp_path):
@@ -242,6 +260,26 @@ def _serve(request) -> None:
     raise DinferError(capsys.readouterr().err.strip().removeprefix("error: "))
 
 
+def _serve_flags(*argv: str) -> Callable:
+    def run(request) -> None:
+        from dinfer_rt.cli import main
+
+        capsys = request.getfixturevalue("capsys")
+        assert main(["serve", "--port", "0", "--shutdown-after-s", "20", *argv]) == 2
+        raise DinferError(capsys.readouterr().err.strip().removeprefix("error: "))
+
+    return run
+
+
+def _engine_args(**fields) -> Callable:
+    def run(request) -> None:
+        from dinfer_rt.engine_args import EngineArgs
+
+        EngineArgs.build(**fields)
+
+    return run
+
+
 def _replicas(request) -> None:
     request.getfixturevalue("replicas").submit(LONG, PARAMS)
 
@@ -265,6 +303,22 @@ CASES = [
         "kv:serve-budget-below-one-row",
         _serve,
         "serve: the KV-cache budget of 1024 bytes (1.0 KiB; kv_cache_memory, --kv-cache-memory) holds no pool row",
+    ),
+    Case(
+        "kv:prefix-cache-unknown-mode",
+        _engine_args(prefix_cache="yes"),
+        "EngineArgs: prefix_cache must be one of auto, approximate (--prefix-cache), got 'yes'",
+    ),
+    Case(
+        "kv:prefix-cache-approximate-but-off",
+        _engine_args(prefix_cache="approximate", prefix_cache_bytes=0),
+        "EngineArgs: prefix_cache 'approximate' contradicts prefix_cache_bytes 0 (the cache off; --prefix-cache "
+        "approximate, --no-prefix-cache / --prefix-cache-bytes 0); give one of them",
+    ),
+    Case(
+        "kv:serve-prefix-cache-approximate-and-off",
+        _serve_flags("--prefix-cache", "approximate", "--no-prefix-cache"),
+        "serve: --no-prefix-cache contradicts --prefix-cache approximate; give one of them",
     ),
     Case(
         "kv:replicas-request-past-max-model-len",
