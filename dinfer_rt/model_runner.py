@@ -132,18 +132,9 @@ def _lengthened(model: Model, inputs: ForwardInputs, pad: int) -> tuple[ForwardI
     ids = inputs.input_ids
     b, n = ids.shape
     m = n + pad
-    key = ("graph_len_ids", b, m, ids.dtype, ids.device)
-    buf = model._memo(key, lambda: torch.empty((b, m), dtype=ids.dtype, device=ids.device))
-    buf[:, :n].copy_(ids)
-    buf[:, n:].fill_(model.mask_id)
+    buf = _grown(model, "graph_len_ids", ids, (b, m), model.mask_id)
     mask = inputs.attention_mask
-    dev, dtype = (ids.device, torch.long) if mask is None else (mask.device, mask.dtype)
-    full = model._memo(("graph_len_mask", b, m, dtype, dev), lambda: torch.empty((b, m), dtype=dtype, device=dev))
-    full[:, n:].fill_(0)
-    if mask is None:
-        full[:, :n].fill_(1)
-    else:
-        full[:, :n].copy_(mask)
+    full = _grown(model, "graph_len_mask", mask, (b, m), 0, like=ids if mask is None else None)
     compute, width = inputs.compute, None
     # a window over the whole sequence (a refresh, an uncached forward) grows with it; the others
     # ([s, e) blocks, [s, n) suffixes) have widths of the generation's blocks, not of the prompt
@@ -160,6 +151,23 @@ def _lengthened(model: Model, inputs: ForwardInputs, pad: int) -> tuple[ForwardI
     return out, width
 
 
+def _grown(model: Model, name: str, real: torch.Tensor | None, shape: tuple[int, int], fill: int, like=None):
+    """A [rows, length] buffer kept per shape (a step copies into it; a graph binds it): ``real`` in
+    its leading corner (None: ones the shape of ``like``, an all-valid mask), ``fill`` everywhere
+    else, rewritten each call (a smaller input of this shape may have left real values there)."""
+    src = real if real is not None else like
+    dtype = src.dtype if real is not None else torch.long
+    key = (name, shape, dtype, src.device)
+    buf = model._memo(key, lambda: torch.empty(shape, dtype=dtype, device=src.device))
+    buf.fill_(fill)
+    b, n = src.shape
+    if real is None:
+        buf[:b, :n].fill_(1)
+    else:
+        buf[:b, :n].copy_(real)
+    return buf
+
+
 def _padded(model: Model, inputs: ForwardInputs, pad: int) -> ForwardInputs:
     """``inputs`` with ``pad`` rows of mask ids after the real ones, every position of them a
     valid key (no empty softmax), in buffers kept per shape (a step copies its rows in)."""
@@ -168,17 +176,10 @@ def _padded(model: Model, inputs: ForwardInputs, pad: int) -> ForwardInputs:
     ids = inputs.input_ids
     b, n = ids.shape
     rows = b + pad
-    key = ("graph_pad_ids", rows, n, ids.dtype, ids.device)
-    buf = model._memo(key, lambda: torch.full((rows, n), model.mask_id, dtype=ids.dtype, device=ids.device))
-    buf[:b].copy_(ids)
-    buf[b:].fill_(model.mask_id)  # a smaller batch of this bucket may have left real ids there
+    buf = _grown(model, "graph_pad_ids", ids, (rows, n), model.mask_id)
     mask = inputs.attention_mask
     if mask is not None:
-        key = ("graph_pad_mask", rows, n, mask.dtype, mask.device)
-        full = model._memo(key, lambda: torch.ones((rows, n), dtype=mask.dtype, device=mask.device))
-        full[:b].copy_(mask)
-        full[b:].fill_(1)
-        mask = full
+        mask = _grown(model, "graph_pad_mask", mask, (rows, n), 1)
     cache = inputs.cache
     if cache is not None:
         cache = (cache[0], cache[1] + pad, cache[2])
