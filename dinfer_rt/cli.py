@@ -261,7 +261,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--graph-length-step",
-        type=int,
+        type=_int_in(0),
         default=256,
         metavar="N",
         help="with --graphs, sequences pad to a multiple of N positions so prompts of many lengths share one "
@@ -312,6 +312,11 @@ def _prefix_cache_args(a: argparse.Namespace) -> dict:
     if mode == "approximate" and a.prefix_cache_bytes == 0:
         raise DinferError(
             "serve: --prefix-cache approximate contradicts --prefix-cache-bytes 0 (the cache off); give one of them"
+        )
+    if mode == "approximate" and getattr(a, "tensor_parallel_size", 1) > 1:
+        raise DinferError(
+            "serve: --prefix-cache approximate is not supported with --tensor-parallel-size > 1 (each rank holds a "
+            "shard of the KV pool; no prefix cache runs there); drop one of them"
         )
     out = {} if a.prefix_cache_bytes is None else {"prefix_cache_bytes": a.prefix_cache_bytes}
     return out if mode is None else {**out, "prefix_cache": mode}

@@ -67,6 +67,11 @@ class LLM:
         self.pool = None
         self.runner = None  # runs the forwards (None: in this process; generate_on_rank: the group's lead)
         self.engine_args = EngineArgs.build(**engine_args)
+        if self.engine_args.prefix_cache == "approximate":  # it would change answers in replicas only
+            raise GenerationError(
+                "LLM: prefix_cache='approximate' is for served engines (dinfer-rt serve --prefix-cache "
+                "approximate), where requests arrive apart; LLM.generate decodes each batch without it"
+            )
         _check_arguments(model, backend, dtype, check_weights, quantization, expert_parallel)
         for name, size in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:

@@ -67,6 +67,8 @@ class Tokenizer:
         with "▁" as the space it stands for (the first token of a text keeps the space the decoder
         strips), an added or special token is its content's UTF-8 (literal text, never
         byte-mapped); any other token is the UTF-8 of its decoding alone, as :meth:`decode` gives it."""
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise TokenizerError(f"token_bytes: token_id must be an int >= 0, got {token_id!r}")
         added = self._added.get(token_id)
         if added is not None:
             return added.encode()

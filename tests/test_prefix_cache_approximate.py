@@ -263,14 +263,18 @@ def test_bad_fields_and_flags_are_refused_naming_them(models):
         parse(["serve", "--prefix-cache", "always"])
 
 
-def test_llm_generate_runs_with_the_approximate_setting(models):
-    """``LLM(..., prefix_cache="approximate")`` configures the serving engine; a static batch
-    (``LLM.generate``: its own engine, nothing shared across requests) still runs, cache off,
-    and answers as without the setting."""
-    model = models("llada")
-    prompts, params = [SYSTEM + [20, 21], SYSTEM[:10]], _params()
-    with_setting = dinfer_rt.LLM(model, prefix_cache="approximate").generate(prompts, params)
-    assert [o.token_ids for o in with_setting] == [o.token_ids for o in dinfer_rt.LLM(model).generate(prompts, params)]
+def test_settings_that_would_be_ignored_or_half_applied_are_refused(models):
+    """``LLM.generate`` decodes each batch with no prefix cache (its own engine), while replicas
+    (``data_parallel_size``) would apply it: the approximate setting is refused rather than
+    meaning two things; so is ``serve --prefix-cache approximate`` with tensor parallelism, where
+    no prefix cache runs (each rank holds a shard of the pool)."""
+    with pytest.raises(GenerationError, match="LLM: prefix_cache='approximate' is for served engines"):
+        dinfer_rt.LLM(models("llada"), prefix_cache="approximate")
+    from dinfer_rt.cli import _prefix_cache_args, build_parser
+
+    argv = ["serve", "--prefix-cache", "approximate", "--tensor-parallel-size", "2"]
+    with pytest.raises(DinferError, match="approximate is not supported with --tensor-parallel-size > 1"):
+        _prefix_cache_args(build_parser().parse_args(argv))
 
 
 def test_the_server_says_it_is_approximate_at_start_up_and_in_metrics(models, capsys):

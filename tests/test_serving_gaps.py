@@ -217,6 +217,14 @@ def test_logprobs_bytes_of_byte_tokens_join_into_the_split_characters(make, tmp_
         assert joined == b" ab ab" and tok.decode(words) == "ab ab"
 
 
+@pytest.mark.parametrize("bad", [-1, "5", None, 1.0, True])
+def test_token_bytes_refuses_what_is_no_token_id(bad, model):
+    from dinfer_rt.errors import TokenizerError
+
+    with pytest.raises(TokenizerError, match=f"token_bytes: token_id must be an int >= 0, got {bad!r}"):
+        model.tokenizer.token_bytes(bad)
+
+
 def test_a_special_tokens_bytes_are_its_text_not_byte_mapped(tmp_path):
     tok = _byte_level(tmp_path / "tok")
     special = tok.token_id("<|né|>")
