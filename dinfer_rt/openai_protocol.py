@@ -173,6 +173,19 @@ def _bool(body: dict, name: str) -> bool | None:
     return v
 
 
+def _kv_memory(positions: int, max_len: int, per_position: int | None) -> str:
+    """`` (its K/V would need ...)``: the memory side of a too-long request, as the engine says it."""
+    if per_position is None:
+        return ""
+    from dinfer_rt.kv_pool import format_bytes
+
+    need, row = positions * per_position, max_len * per_position
+    return (
+        f" (its K/V would need {format_bytes(need)}, {need} bytes: {positions} positions x {per_position} bytes; "
+        f"a KV pool row holds {max_len} positions, {format_bytes(row)})"
+    )
+
+
 def parse(
     body: Any,
     *,
@@ -183,12 +196,15 @@ def parse(
     max_len: int,
     chars_per_token: int | None = None,
     mask_id: int | None = None,
+    kv_bytes_per_position: int | None = None,
 ) -> Submission:
     """Validate an OpenAI completions / chat-completions body (``chat``) against the served model.
 
     ``chars_per_token``: the most characters one token of the tokenizer covers; when given, a text
     prompt longer than ``max_len`` tokens could hold is refused before it is tokenised. ``mask_id``:
-    the model's mask token, refused in the prompt unless ``allow_mask_in_prompt`` is true."""
+    the model's mask token, refused in the prompt unless ``allow_mask_in_prompt`` is true.
+    ``kv_bytes_per_position``: one position's K/V over the layers (and ranks), so a request too long
+    for the KV pool's rows is also told the memory it would need."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_type_name(body)}")
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
@@ -278,8 +294,9 @@ def parse(
     size, where = len(prompts[longest]), "prompt" if chat else names[longest]
     budget = max_len - size
     if budget < 1:
+        memory = _kv_memory(size + 1, max_len, kv_bytes_per_position)
         raise ApiError(
-            400, f"the prompt is {size} tokens; the max model length is {max_len}: no room to generate", where
+            400, f"the prompt is {size} tokens; the max model length is {max_len}: no room to generate{memory}", where
         )
     key, max_tokens = _max_tokens(body, budget)
     if max_tokens is None:
@@ -289,7 +306,8 @@ def parse(
         raise ApiError(
             400,
             f"'{key}' {max_tokens} rounds up to {gen} tokens (whole blocks of {block}); with the prompt's "
-            f"{size} tokens that exceeds the max model length {max_len}",
+            f"{size} tokens that exceeds the max model length {max_len}"
+            f"{_kv_memory(size + gen, max_len, kv_bytes_per_position)}",
             key,
         )
     steps = params.steps

@@ -565,8 +565,8 @@ class ReplicaPool:
             req.output_ids, req.text = msg.get("output_ids", []), msg.get("text", "")
             req.forwards = msg.get("forwards", 0)
             error = msg.get("error")
-            dead = self._dead_ranks(index) if error is not None and not error.startswith("GroupLost") else []
-            if dead:  # a collective failed because a peer rank died: name the rank, not the library
+            dead = self._dead_ranks(index) if error is not None else []
+            if dead:  # a collective failed because a peer rank died: name the rank (``_why``), not the library
                 error = f"{self._why(index, dead)} while serving this request"
                 self._finish(req, index, msg["reason"], ReplicaError(error), finished)
                 return
