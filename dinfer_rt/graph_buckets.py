@@ -14,15 +14,14 @@ live in the backends (``backends/triton/graphs.py``).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from dinfer_rt.engine_args import EngineArgs, graph_buckets
 from dinfer_rt.errors import GenerationError
 from dinfer_rt.model_runner import ForwardInputs
+from dinfer_rt.sampling import SamplingParams
 
-if TYPE_CHECKING:  # the engine imports this module
-    from dinfer_rt.engine import Engine, EngineStats
-    from dinfer_rt.sampling import SamplingParams
+# ``stats`` below is the engine's ``EngineStats`` and ``engine`` its ``Engine``: not imported, as the
+# engine imports this module (the core has no import cycle, lazy ones included)
 
 
 class GraphBuckets:
@@ -54,7 +53,7 @@ class GraphBuckets:
         step = self.length_step
         return n if not step else max(n, min(-(-n // step) * step, limit))
 
-    def run(self, runner, inputs: ForwardInputs, *, used: int, pool_rows: int, positions: int, stats: EngineStats):
+    def run(self, runner, inputs: ForwardInputs, *, used: int, pool_rows: int, positions: int, stats):
         """One forward: padded to its bucket B when the pool rows [start + b, start + B) hold no
         cohort (``used``: the rows cohorts hold; the padding rows' K/V land there and the runner
         drops their outputs), and its sequence to its length bucket (:meth:`length_of`, at most
@@ -78,7 +77,7 @@ class GraphBuckets:
             return runner(inputs)
         return runner(dataclasses.replace(inputs, pad_rows=bucket - b, pad_length=grow))
 
-    def report(self, model, stats: EngineStats) -> dict:
+    def report(self, model, stats) -> dict:
         """The model's device graphs: captures (in all and per batch rows), replays, eager calls,
         graphs dropped (LRU) and the device memory the live ones hold (0 with a stand-in API or
         without graphs), beside the engine's bucket counters."""
@@ -103,7 +102,7 @@ class GraphBuckets:
             "padded_positions": stats.padded_positions,
         }
 
-    def warm_up(self, engine: Engine, params: SamplingParams, prompt_len: int) -> None:
+    def warm_up(self, engine, params: SamplingParams, prompt_len: int) -> None:
         """One short static batch per bucket (at most ``max_num_seqs`` rows; a bucket above it
         serves the padded largest batch) through ``engine``'s own pool, so each bucket's window
         shapes for ``params`` and a ``prompt_len``-token prompt are captured before the first
