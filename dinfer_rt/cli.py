@@ -291,12 +291,13 @@ def _engine_args(a: argparse.Namespace) -> dict:
 
 
 def _kv_budget_args(a: argparse.Namespace) -> dict:
-    """``serve``'s KV pool budget flags as EngineArgs fields (absent: max_num_seqs rows)."""
+    """``serve``'s KV pool flags as EngineArgs fields (absent: the engine's defaults)."""
+    out = {} if a.kv_block_size is None else {"kv_block_size": a.kv_block_size}
     if a.kv_cache_memory is not None:
-        return {"kv_cache_memory": a.kv_cache_memory}
-    if a.kv_cache_memory_fraction is not None:
-        return {"kv_cache_memory_fraction": a.kv_cache_memory_fraction}
-    return {}
+        out["kv_cache_memory"] = a.kv_cache_memory
+    elif a.kv_cache_memory_fraction is not None:
+        out["kv_cache_memory_fraction"] = a.kv_cache_memory_fraction
+    return out
 
 
 def _prefix_cache_args(a: argparse.Namespace) -> dict:
@@ -893,8 +894,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_byte_size,
         default=None,
         metavar="SIZE",
-        help="KV-cache pool budget: bytes or a size with a unit (8GiB, 512MiB); rows decoding at once = "
-        "min(--max-num-seqs, SIZE // bytes per row) (default: --max-num-seqs rows, whatever they take)",
+        help="KV-cache pool budget: bytes or a size with a unit (8GiB, 512MiB): SIZE // bytes per block KV blocks, "
+        "taken per request (prompt + gen_length) at admission and shared with the prefix cache (default: at "
+        "most half the free memory after the weights; with --kv-block-size 0, rows of --max-model-len)",
     )
     kv.add_argument(
         "--kv-cache-memory-fraction",
@@ -903,6 +905,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="F",
         help="KV-cache pool budget as a fraction in (0, 1] of the free memory after the weights (CUDA / ROCm: "
         "the device's; CPU: MemAvailable)",
+    )
+    sv.add_argument(
+        "--kv-block-size",
+        type=_int_in(0),
+        default=None,
+        metavar="N",
+        help="positions per KV block of the paged pool (default 4; also the prefix cache's reuse granularity); "
+        "0: contiguous rows of --max-model-len positions, preallocated for every --max-num-seqs row",
     )
     _add_run_args(sv, parallel=False)
     sv.set_defaults(func=cmd_serve)

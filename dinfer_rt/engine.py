@@ -8,12 +8,18 @@ kernel, CFG, precision schedules); several cohorts at different blocks share one
 per-row query windows, padded to the longest (``stats.padded_tokens`` counts the padding).
 A request's greedy output equals ``LLM.generate`` of its prompt alone whatever runs beside it.
 
-Cohorts hold contiguous rows of one preallocated KV-cache pool, in admission order; when a
-cohort ends, the last cohort of the same size moves into its rows (else the later ones move
-down), so the running rows are always rows 0..B-1. A request finishes at the step whose
-committed prefix (the generated tokens up to the first slot still masked, which can no longer
-change) holds an EOS (with ``early_stop``), a stop string or ``max_tokens`` tokens; its row is
-then filled and takes no more decisions, and a cohort whose requests all finished ends.
+Cohorts hold contiguous rows of the KV-cache pool, in admission order; when a cohort ends, the
+last cohort of the same size moves into its rows (else the later ones move down), so the
+running rows are always rows 0..B-1. The pool is paged by default (``kv_blocks.py``): a row is a
+row of the block table, a request takes the blocks of its own length when admitted (admission
+waits for free blocks, evicting prefix-cache blocks nobody holds) and gives them back when it
+ends, a move is a table-row move, and a prefix-cache hit points the row at the cached blocks.
+With ``kv_block_size`` 0 (a static batch) rows are contiguous ``max_model_len`` buffers.
+
+A request finishes at the step whose committed prefix (the generated tokens up to the first
+slot still masked, which can no longer change) holds an EOS (with ``early_stop``), a stop
+string or ``max_tokens`` tokens; its row is then filled and takes no more decisions, and a
+cohort whose requests all finished ends.
 
 Thread model: ``submit`` and ``abort`` may be called from any thread; ``step`` from one.
 """
@@ -34,8 +40,9 @@ from dinfer_rt.decode import BatchResult, Cohort, StopCheck, check_token_ids, fo
 from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import GenerationError
 from dinfer_rt.graph_buckets import GraphBuckets
+from dinfer_rt.kv_blocks import KVBlocks, blocks_for
 from dinfer_rt.kv_pool import available_memory, format_bytes, kv_pool_plan
-from dinfer_rt.model import Model
+from dinfer_rt.model import Model, PagedKV
 from dinfer_rt.model_runner import ForwardInputs, LocalRunner
 from dinfer_rt.prefix_cache import CachedBlock, PrefixCache, default_budget
 from dinfer_rt.sampling import SamplingParams
@@ -136,10 +143,14 @@ def check_request(
     has_tokenizer: bool,
     block_causal: bool = False,
     kv_bytes_per_position: int | None = None,
+    kv_block_size: int = 0,
+    kv_pool_blocks: int | None = None,
 ) -> int:
     """The engine's admission checks: a ``GenerationError`` naming the field, else ``max_tokens``
     (default ``params.gen_length``). ``kv_bytes_per_position``: one position's K/V over the layers
-    (``kv_row_bytes(..., 1)``), so a request past ``max_model_len`` is also told the memory side."""
+    (``kv_row_bytes(..., 1)``), so a request past ``max_model_len`` is also told the memory side.
+    ``kv_pool_blocks`` (a paged pool's blocks of ``kv_block_size`` positions a request may hold):
+    a request whose blocks exceed the whole pool can never run and is refused with its bytes."""
     params.validate(block_causal=block_causal)
     if not prompt:
         raise GenerationError("prompt: at least one token is needed")
@@ -159,6 +170,16 @@ def check_request(
         raise GenerationError(
             f"prompt ({len(prompt)} tokens) + {params.gen_length} generated = {total} "
             f"tokens exceeds the max model length {max_model_len}{memory}"
+        )
+    if kv_pool_blocks is not None and blocks_for(len(prompt) + params.gen_length, kv_block_size) > kv_pool_blocks:
+        total = len(prompt) + params.gen_length
+        need = blocks_for(total, kv_block_size)
+        per_block = kv_block_size * (kv_bytes_per_position or 0)
+        raise GenerationError(
+            f"prompt ({len(prompt)} tokens) + {params.gen_length} generated = {total} tokens need {need} KV blocks of "
+            f"{kv_block_size} positions ({format_bytes(need * per_block)}, {need * per_block} bytes) but the whole KV "
+            f"pool holds {kv_pool_blocks} ({format_bytes(kv_pool_blocks * per_block)}); raise --kv-cache-memory "
+            "(or --kv-cache-memory-fraction), or shorten the prompt or gen_length"
         )
     if params.stop and not has_tokenizer:
         raise GenerationError("stop: stop strings need the model's tokenizer (loaded without one)")
@@ -226,7 +247,9 @@ class Engine:
         self.kv_plan = kv_pool_plan(
             model.spec, model.dtype, args, self.max_model_len, scratch_slot=scratch_slot,
             kv_heads=None if tp is None else tp.kv_heads(model.spec), graphs=self.graphs,
-            free=available_memory(model.backend.device()) if args.kv_cache_memory_fraction is not None else None,
+            free=available_memory(model.backend.device())
+            if args.kv_cache_memory_fraction is not None or (args.kv_block_size and args.kv_cache_memory is None)
+            else None,
         )  # fmt: skip
         if self.kv_plan.rows < self.max_num_seqs:  # the budget holds fewer rows: that many decode at once
             self.args = args = dataclasses.replace(args, max_num_seqs=self.kv_plan.rows)
@@ -237,12 +260,22 @@ class Engine:
         self._graph_positions = self.max_model_len  # (the scratch slot past it is no bucket's)
         self.kv_pool_bytes = self.kv_plan.nbytes  # what the pool takes (K and V of every layer)
         self.kv_bytes_per_position = self.kv_plan.row_bytes // self.kv_plan.positions
-        self.cache = model.cache_pool.acquire(self.pool_rows, self.kv_plan.positions)
+        self.paged = self.kv_plan.paged
+        self.blocks: KVBlocks | None = None  # paged: which blocks each row holds
+        if self.paged:
+            plan = self.kv_plan
+            k, v = model.new_paged_pool(plan.num_blocks, plan.block_size)
+            self.cache = PagedKV(k, v, torch.zeros((0, 0), dtype=torch.int32), 0)
+            self.blocks = KVBlocks(plan.num_blocks, plan.block_size, self.pool_rows, plan.max_blocks)
+        else:
+            self.cache = model.cache_pool.acquire(self.pool_rows, self.kv_plan.positions)
         # what runs each forward: in this process, or (tensor parallel) on every rank of the group
         self.runner = runner or LocalRunner(model)
         self.runner.bind(self.cache)
-        # where graphs replay, every forward goes through _run_graphed (bucket or eager); else the runner
-        self._forward_runner = self._run_graphed if self.buckets.replays else self.runner
+        # where graphs replay, every forward goes through _run_graphed (bucket or eager); else the
+        # runner; paged, each cached forward first gets its rows' block table (``_with_blocks``)
+        self._inner_runner = self._run_graphed if self.buckets.replays else self.runner
+        self._forward_runner = self._run_paged if self.paged else self._inner_runner
         self.prefix_cache = self._prefix_cache(args)
         self._prefix_held: dict[Cohort, list[CachedBlock]] = {}  # the cached blocks each cohort holds
         self._prefix_fresh: list[Cohort] = []  # admitted this step: their prompt blocks are cached after the forward
@@ -330,6 +363,12 @@ class Engine:
         if not spec.block_causal and args.prefix_cache != "approximate":
             return None
         size = default_budget(self.model.backend.device()) if budget is None else budget
+        if self.paged:  # its blocks are the pool's: it never holds more than the pool
+            plan = self.kv_plan
+            size = min(size, plan.nbytes)
+            return PrefixCache(
+                size, approximate=not spec.block_causal, blocks=self.blocks, block_bytes=plan.block_bytes
+            )
         return PrefixCache(size, approximate=not spec.block_causal)
 
     @property
@@ -425,9 +464,12 @@ class Engine:
         if not self._prefix_reuses(cohort):
             return
         req, lb = cohort.requests[0], self._prefix_block(cohort)
-        chain = self.prefix_cache.lookup(req.prompt, lb, self._prefix_span(cohort) // lb)
+        chain, hit = self.prefix_cache.lookup(req.prompt, lb, self._prefix_span(cohort) // lb)
         self._prefix_held[cohort] = chain
-        if chain:
+        if self.paged:  # the row's table points at the cached blocks: nothing is copied
+            self.blocks.allocate(cohort.start_row, cohort.n, shared=[node.pool_block for node in chain])
+            cohort.cached_prefix = req.cached_tokens = hit
+        elif chain:
             cohort.cached_prefix = req.cached_tokens = PrefixCache.copy_into(chain, self.cache, cohort.start_row)
 
     def _prefix_siblings(self, cohort: Cohort, room: int) -> int:
@@ -466,7 +508,7 @@ class Engine:
         self._prefill_chunk(cohort, width)
         self.stats.shared_prefills += 1
         # its ids from the request (a lone row), not the device: no host sync in the middle of admission
-        chain = self.prefix_cache.insert(cohort.requests[0].prompt, lb, upto // lb, self.cache, cohort.start_row)
+        chain = self._cache_row(cohort.requests[0].prompt, lb, upto, cohort.start_row)
         self._prefix_held.setdefault(cohort, []).extend(chain)
         return cohort.b * width
 
@@ -481,11 +523,42 @@ class Engine:
         x = cohort.x[:, :upto].cpu()
         held = self._prefix_held.setdefault(cohort, [])
         for r in rows:
-            held += self.prefix_cache.insert(x[r].tolist(), lb, upto // lb, self.cache, cohort.start_row + r)
+            held += self._cache_row(x[r].tolist(), lb, upto, cohort.start_row + r)
+
+    def _cache_row(self, tokens: list[int], lb: int, upto: int, row: int) -> list[CachedBlock]:
+        """Cache pool row ``row``'s whole blocks before ``upto``; contiguous rows: copies of their
+        K/V. Paged, exact (block-causal): the row's own blocks by reference (it never writes below
+        ``upto`` again; copy-on-write would keep them if it did). Paged, approximate: copies into
+        free blocks, as far as there are any (the row goes on refreshing its prompt, so sharing its
+        blocks would only move the copy to its next refresh, where no free block may be left)."""
+        if not self.paged:
+            return self.prefix_cache.insert(tokens, lb, upto // lb, self.cache, row)
+        blocks, units = self.blocks, upto // lb * lb // self.blocks.block_size
+        own = blocks.row_blocks(row, units)
+        if not self.prefix_cache.approximate:
+            chain = self.prefix_cache.insert_blocks(tokens, lb, own)
+            blocks.mark_shared(row, units)
+            return chain
+        have = len(self.prefix_cache.match(tokens, lb, units))  # cached already: nothing to copy
+        fresh = [blocks.take() for _ in range(min(units - have, blocks.free))]
+        self.runner.copy_blocks(list(zip(own[have:], fresh)))
+        existing = [node.pool_block for node in self.prefix_cache.match(tokens, lb, have)]
+        try:
+            return self.prefix_cache.insert_blocks(tokens, lb, existing + fresh)
+        finally:
+            for blk in fresh:  # the cache holds what it kept; the rest is free again
+                blocks.unref(blk)
 
     def _prefix_release(self, cohort: Cohort) -> None:
         if self.prefix_cache is not None:
             self.prefix_cache.release(self._prefix_held.pop(cohort, []))
+
+    def _retire(self, cohort: Cohort) -> None:
+        """A cohort leaves the pool: its prefix-cache holds and (paged) its rows' blocks go back."""
+        self._prefix_release(cohort)
+        if self.paged:
+            for r in range(cohort.b):
+                self.blocks.release(cohort.start_row + r)
 
     def _on_forward(self, wall: float) -> int:
         self.forward_s.append(wall)
@@ -517,7 +590,8 @@ class Engine:
         return check_request(
             prompt, params, max_tokens, vocab=self.model.spec.vocab, max_model_len=self.max_model_len,
             has_tokenizer=self.model.tokenizer is not None, block_causal=self.model.spec.block_causal,
-            kv_bytes_per_position=self.kv_bytes_per_position,
+            kv_bytes_per_position=self.kv_bytes_per_position, kv_block_size=self.kv_plan.block_size,
+            kv_pool_blocks=self.blocks.usable if self.paged else None,
         )  # fmt: skip
 
     def abort(self, request_id: str) -> None:
@@ -538,7 +612,8 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         if self.cache is not None:
-            self.model.cache_pool.release(self.cache)
+            if not self.paged:  # a paged pool is this engine's own
+                self.model.cache_pool.release(self.cache)
             self.cache = None
             self.runner.bind(None)
 
@@ -603,7 +678,7 @@ class Engine:
             if all(r.done for r in cohort.requests):
                 if cohort in self.prefilling:  # its rows are the last ones: nothing moves
                     self.prefilling.remove(cohort)
-                    self._prefix_release(cohort)
+                    self._retire(cohort)
                 else:
                     self._end_cohort(cohort, "abort", finished)
 
@@ -626,6 +701,8 @@ class Engine:
                     need = cohort.b * cohort.block_size
                 if rows + cohort.b > self.max_num_seqs or (self.cohorts and used + need > budget):
                     return
+                if self.paged and not self._fits(cohort):
+                    return  # FIFO: it waits for running requests to give blocks back
                 self.waiting.popleft()
                 group, cohort = self._merge_waiting(group, cohort, rows, used)
                 # prompt blocks a request that may be admitted next in this step shares with it
@@ -633,7 +710,11 @@ class Engine:
             cohort.start_row = rows
             try:
                 if self.prefix_cache is not None:
-                    self._prefix_lookup(cohort)
+                    self._prefix_lookup(cohort)  # paged: a lone row with a hit is allocated here
+                if self.paged:
+                    for r in range(cohort.start_row, cohort.start_row + cohort.b):
+                        if not self.blocks.allocated[r]:
+                            self.blocks.allocate(r, cohort.n)
                 if chunked and self._first_width(cohort) > self._prefill_room(used):
                     # its first forward would not fit this step: its prompt blocks are computed
                     # in chunks over the next steps, beside the running rows
@@ -648,7 +729,7 @@ class Engine:
                 if not cohort.prepare():
                     raise GenerationError("nothing to generate")
             except Exception as err:
-                self._prefix_release(cohort)
+                self._retire(cohort)
                 for req in group:
                     self._finish(req, "error", err)
                     finished.append(req)
@@ -729,7 +810,7 @@ class Engine:
                     self._prefix_insert(cohort, cohort.s)
             except Exception as err:
                 self.prefilling.remove(cohort)
-                self._prefix_release(cohort)
+                self._retire(cohort)
                 for req in cohort.requests:
                     if not req.done:
                         self._finish(req, "error", err)
@@ -751,7 +832,7 @@ class Engine:
         rows = (cohort.start_row, cohort.b, cohort.n)
         select, bs = compute[-1:], cohort.block_size
         chunk = ForwardInputs(cohort.x, cohort.attn, compute=compute, cache=rows, select=select, block_size=bs)
-        self.runner(dataclasses.replace(chunk, graph=False))
+        self.runner(self._with_blocks(dataclasses.replace(chunk, graph=False)))
         cohort.cached_prefix = lo + width  # the first forward computes from here (``Cohort._spans``)
         self.stats.prefill_chunks += 1
         self.stats.prefill_tokens += cohort.b * width
@@ -777,6 +858,8 @@ class Engine:
                 break
             n = max(longest, len(nxt[0].prompt)) + params.gen_length
             if n > self.max_model_len or used + (len(merged) + 1) * n > self.max_num_batched_tokens:
+                break
+            if self.paged and not self._blocks_free((len(merged) + 1) * blocks_for(n, self.blocks.block_size)):
                 break
             longest = max(longest, len(nxt[0].prompt))
             merged.append(self.waiting.popleft()[0])
@@ -933,13 +1016,13 @@ class Engine:
             self._finish(req, "stop" if stopped else reason, err)
             finished.append(req)
         if cohort not in self.cohorts:
-            self._prefix_release(cohort)
+            self._retire(cohort)
             return
         if err is None and self._prefix_exact(cohort) and cohort.nfe > 0:
             # every block before the last one decoded was recomputed from its final tokens at that
             # block's first forward (the block-causal window starts at the previous block): exact
             self._prefix_insert(cohort, cohort.block_start)
-        self._prefix_release(cohort)
+        self._retire(cohort)  # before any move: the rows that move in must find theirs free
         i = self.cohorts.index(cohort)
         self.cohorts.pop(i)
         last = self.cohorts[-1] if self.cohorts else None
@@ -956,8 +1039,78 @@ class Engine:
                 moves.append((row, c.start_row, c.b, c.n))
                 c.start_row = row
             row += c.b
-        if moves:
+        if moves and self.paged:  # the blocks stay; only the table rows move
+            for dst, src, b, _ in moves:
+                self.blocks.move(dst, src, b)
+        elif moves:
             self.runner.move_rows(moves)
+
+    # ---------------------------------------------------------------- paged KV blocks (kv_blocks.py)
+    def _blocks_free(self, need: int, keep: list[CachedBlock] = ()) -> bool:
+        """Whether ``need`` blocks are free, evicting prefix-cache blocks nobody holds as needed
+        (never those of ``keep``: the hit of the request being admitted)."""
+        if self.blocks.free >= need:
+            return True
+        if self.prefix_cache is None:
+            return False
+        self.prefix_cache.acquire(keep)
+        try:
+            return self.prefix_cache.evict_for(need)
+        finally:
+            self.prefix_cache.release(keep)
+
+    def _fits(self, cohort: Cohort) -> bool:
+        """Paged admission: whether the cohort's fresh blocks are free (or can be freed). A lone row
+        that will hit the prefix cache needs fewer: its whole cached blocks are referenced (a block
+        its hit ends inside is copied on its first write, so it still counts)."""
+        size = self.blocks.block_size
+        need, keep = cohort.b * blocks_for(cohort.n, size), []
+        if self.prefix_cache is not None and self._prefix_reuses(cohort):
+            lb = self._prefix_block(cohort)
+            keep = self.prefix_cache.match(cohort.requests[0].prompt, lb, self._prefix_span(cohort) // size)
+            hit = len(keep) * size // lb * lb
+            keep = keep[: -(-hit // size)]
+            need -= hit // size
+        return self._blocks_free(need, keep)
+
+    def _run_paged(self, inputs: ForwardInputs):
+        return self._inner_runner(self._with_blocks(inputs))
+
+    def _with_blocks(self, inputs: ForwardInputs) -> ForwardInputs:
+        """A cached forward on the paged pool: its rows' block table, after copy-on-write of every
+        shared block (a prefix-cache hit, a block the cache took) it is about to write."""
+        if not self.paged or inputs.cache is None:
+            return inputs
+        a, b, n = inputs.cache
+        blocks = self.blocks
+        if any(blocks.shared[a : a + b]):
+            pairs = []
+            for i, first in enumerate(_first_writes(inputs, b)):
+                shared = blocks.shared[a + i] - first // blocks.block_size
+                if shared > 0:
+                    self._blocks_free(shared)  # best effort: writable names the shortage if any is left
+                pairs += blocks.writable(a + i, first)
+            if pairs:
+                self.runner.copy_blocks(pairs)
+        table = blocks.table[a : a + b, : blocks_for(n, blocks.block_size)].clone()
+        return dataclasses.replace(inputs, block_table=table)
+
+    def cached_kv(self, node: CachedBlock) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A prefix-cache entry's K and V per layer ([positions, kv_heads, head_dim]): its pool
+        block (paged) or its own copies. For tests and debugging."""
+        if node.pool_block < 0:
+            return node.k, node.v
+        return [k[node.pool_block] for k in self.cache.k], [v[node.pool_block] for v in self.cache.v]
+
+    def kv_usage(self) -> dict:
+        """The paged pool's blocks: in all, used by rows or the prefix cache, free, copied on write."""
+        if not self.paged:
+            return {"paged": False}
+        b = self.blocks
+        return {
+            "paged": True, "block_size": b.block_size, "blocks": b.usable, "used": b.used, "free": b.free,
+            "copied_on_write": b.copied_blocks,
+        }  # fmt: skip
 
     def _finish(self, req: Request, reason: str, err: BaseException | None = None) -> None:
         ids = before_eos(req.final_ids, self.eos)[: req.max_tokens]
@@ -982,6 +1135,17 @@ class Engine:
             steps += 1
             if max_steps is not None and steps >= max_steps:
                 return
+
+
+def _first_writes(inputs: ForwardInputs, rows: int) -> list[int]:
+    """The first position each row of a cached forward writes: per-row windows' smallest slot
+    (their padding queries write a slot past every real one), a lockstep window's first computed
+    position (0 when it computes everything, or where it lives on a device: assume the worst)."""
+    if inputs.rows is not None:
+        return inputs.rows.token_index.min(dim=1).values.tolist()
+    c = inputs.compute
+    first = 0 if c is None or c.device.type != "cpu" or not len(c) else int(c.min())
+    return [first] * rows
 
 
 def _take_logprobs(cohort: Cohort, req: Request) -> None:
@@ -1044,8 +1208,8 @@ def run_batch(
     block = params.block_length if model.spec.block_causal else None
     args = EngineArgs.build(
         args, max_num_seqs=len(prompts), max_num_batched_tokens=2**62, max_model_len=n, prefix_cache_bytes=0,
-        prefix_cache="auto", kv_cache_memory=None, kv_cache_memory_fraction=None,
-    )  # fmt: skip  # one batch: nothing to share across requests; its pool is the batch's own (no budget)
+        prefix_cache="auto", kv_cache_memory=None, kv_cache_memory_fraction=None, kv_block_size=0,
+    )  # fmt: skip  # one batch: nothing to share across requests; its pool is the batch's own (contiguous, no budget)
     cohort = Cohort(model, prompts, params, args)
     shared = len(batch_groups(cohort, prompts)) > 1  # cohorts that share forwards
     engine = Engine(model, args, block_length=block, scratch_slot=shared, runner=runner)

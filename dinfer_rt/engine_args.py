@@ -46,11 +46,17 @@ class EngineArgs:
     # whose prompt is still being prefilled (whole blocks, at least one); None: what
     # max_num_batched_tokens leaves beside the running rows; 0: off (a long prompt waits for room)
     max_prefill_chunk_tokens: int | None = None
-    # the KV-cache pool's byte budget (``kv_pool.kv_pool_plan``): rows = min(max_num_seqs, budget //
-    # bytes per row); None: max_num_seqs rows, whatever they take. At most one of the two: bytes, or
+    # the KV-cache pool's byte budget (``kv_pool.kv_pool_plan``): paged, blocks = budget // bytes per
+    # block (at most what max_num_seqs rows at max_model_len need); contiguous rows, rows =
+    # min(max_num_seqs, budget // bytes per row). None: paged, at most half the free memory;
+    # contiguous, max_num_seqs rows whatever they take. At most one of the two: bytes, or
     # a fraction in (0, 1] of the free memory after the weights (CUDA / ROCm: the device's; CPU: MemAvailable)
     kv_cache_memory: int | None = None
     kv_cache_memory_fraction: float | None = None
+    # the KV pool's layout (``kv_blocks.py``): blocks of this many positions, taken per request at
+    # admission and shared with the prefix cache (without a budget, at most half the free memory);
+    # 0: contiguous rows of max_model_len positions (a static batch's own pool)
+    kv_block_size: int = 4
 
     def validate(self) -> EngineArgs:
         """Each field's type and range, the first problem raised naming the field; returns self."""
@@ -72,7 +78,9 @@ class EngineArgs:
             nullable = ("max_queue", "max_model_len", "max_forward_tokens", "prefix_cache_bytes", "kv_cache_memory")
             if v is None and f.name in (*nullable, "max_prefill_chunk_tokens"):
                 continue
-            zero_ok = ("max_queue", "prefix_cache_bytes", "max_prefill_chunk_tokens", "graph_length_step")
+            zero_ok = (
+                "max_queue", "prefix_cache_bytes", "max_prefill_chunk_tokens", "graph_length_step", "kv_block_size",
+            )  # fmt: skip
             low = 0 if f.name in zero_ok else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise GenerationError(f"EngineArgs: {f.name} must be an int >= {low}, got {v!r}")

@@ -1,8 +1,14 @@
 """The engine's KV-cache pool before it is allocated: how many rows it holds and their bytes,
 under ``max_num_seqs`` or a memory budget (``EngineArgs.kv_cache_memory`` /
 ``kv_cache_memory_fraction``). One arithmetic for the engine (which allocates the pool) and
-``serve``'s start-up check (which measures it against the free memory). Rows are contiguous
-(``max_model_len`` positions each): paged blocks shared with the prefix cache are not built.
+``serve``'s start-up check (which measures it against the free memory).
+
+Two layouts. Paged (``EngineArgs.kv_block_size`` > 0, the default): blocks of that many
+positions (``kv_blocks.py``), as many as the budget holds and never more than every row at
+``max_model_len`` needs; a request takes the blocks of its own length at admission, and the
+prefix cache keeps its blocks in the same pool. Contiguous rows (``kv_block_size`` 0; a static
+batch's own pool): ``max_model_len`` positions per row, ``max_num_seqs`` rows or fewer under a
+budget.
 """
 
 from __future__ import annotations
@@ -14,6 +20,13 @@ import torch
 
 from dinfer_rt.engine_args import EngineArgs, pool_rows
 from dinfer_rt.errors import GenerationError
+from dinfer_rt.kv_blocks import blocks_for
+
+DEFAULT_KV_FRACTION = 0.5
+"""A paged pool without a budget takes at most this fraction of the free memory after the weights
+(vLLM's ``--gpu-memory-utilization`` is 0.9 of the whole device; the rest here is left to
+activations, device graphs and the prefix cache's bookkeeping), and never more than every row
+at ``max_model_len`` would need."""
 
 
 def format_bytes(n: float) -> str:
@@ -63,11 +76,36 @@ class KVPoolPlan:
     rows: int  # rows decoded at once: max_num_seqs, or fewer under a budget
     pool_rows: int  # rows allocated: ``rows``, and with device graphs the padding rows of its bucket
     budget: int | None  # the byte budget (None: sized by max_num_seqs)
-    shape: str  # how a row's bytes are made, for messages
+    shape: str  # how a row's (paged: a block's) bytes are made, for messages
+    block_size: int = 0  # paged: positions per block (0: contiguous rows)
+    num_blocks: int = 0  # paged: blocks in the pool, the trash block included
+    block_bytes: int = 0  # paged: one block over every layer, K and V
+
+    @property
+    def paged(self) -> bool:
+        return self.block_size > 0
 
     @property
     def nbytes(self) -> int:
+        """What the pool takes: paged, its blocks and its block table (host int32); else its rows."""
+        if self.paged:
+            return self.num_blocks * self.block_bytes + self.table_bytes
         return self.pool_rows * self.row_bytes
+
+    @property
+    def table_bytes(self) -> int:
+        """Paged: the block table, ``pool_rows`` x :attr:`max_blocks` int32 entries."""
+        return self.pool_rows * self.max_blocks * 4 if self.paged else 0
+
+    @property
+    def max_blocks(self) -> int:
+        """Paged: a table row's entries (``positions``, the scratch slot included)."""
+        return blocks_for(self.positions, self.block_size) if self.paged else 0
+
+    @property
+    def capacity(self) -> int:
+        """Positions the pool can give requests at once (paged: every block but the trash one)."""
+        return (self.num_blocks - 1) * self.block_size if self.paged else self.rows * (self.positions - 1)
 
 
 def kv_budget(args: EngineArgs, free: int | None) -> int | None:
@@ -112,6 +150,8 @@ def kv_pool_plan(
         f"{spec.n_layers} layers x K and V x {kv} KV heads x head_dim {spec.head_dim} x {item} bytes "
         f"({str(dtype).removeprefix('torch.')})"
     )
+    if args.kv_block_size:
+        return _paged_plan(spec, dtype, args, max_model_len, positions, row, kv_heads, graphs, free)
     budget = kv_budget(args, free)
     if budget is None:
         return KVPoolPlan(row, positions, args.max_num_seqs, pool_rows(args, graphs), None, shape)
@@ -132,3 +172,39 @@ def kv_pool_plan(
     rows = min(args.max_num_seqs, fit)
     pool = min(pool_rows(dataclasses.replace(args, max_num_seqs=rows), graphs), fit)
     return KVPoolPlan(row, positions, rows, pool, budget, shape)
+
+
+def _paged_plan(spec, dtype, args: EngineArgs, max_model_len: int, positions: int, row: int, kv_heads, graphs, free):
+    """A paged pool (``kv_pool_plan`` with ``kv_block_size``): blocks of ``kv_block_size``
+    positions, at most what ``max_num_seqs`` rows at ``max_model_len`` need (+ the trash block);
+    fewer under a budget, or without one, ``DEFAULT_KV_FRACTION`` of ``free`` where that is known.
+    Rows are table rows (cheap): ``max_num_seqs`` of them always."""
+    size = args.kv_block_size
+    block = kv_row_bytes(spec, dtype, size, kv_heads)
+    kv = spec.n_kv_heads if kv_heads is None else kv_heads
+    item = torch.empty((), dtype=dtype).element_size()
+    shape = (
+        f"blocks of {size} positions (--kv-block-size) x {spec.n_layers} layers x K and V x {kv} KV heads x "
+        f"head_dim {spec.head_dim} x {item} bytes ({str(dtype).removeprefix('torch.')})"
+    )
+    full = args.max_num_seqs * blocks_for(max_model_len, size) + 1
+    budget = kv_budget(args, free)
+    if budget is None:
+        cap = full if free is None else max(2, int(free * DEFAULT_KV_FRACTION) // block)
+        num = min(full, cap)
+    else:
+        num = min(full, budget // block)
+        if num < 2:
+            source = "kv_cache_memory, --kv-cache-memory"
+            if args.kv_cache_memory is None:
+                fraction = args.kv_cache_memory_fraction
+                source = f"kv_cache_memory_fraction {fraction} (--kv-cache-memory-fraction) of {free} bytes free"
+            raise GenerationError(
+                f"the KV-cache budget of {budget} bytes ({format_bytes(budget)}; {source}) holds no KV block: a "
+                f"paged pool needs 2 blocks (one is the trash block) of {block} bytes ({format_bytes(block)}: "
+                f"{shape}); raise --kv-cache-memory (or --kv-cache-memory-fraction) to at least {2 * block} bytes"
+            )
+    return KVPoolPlan(
+        row, positions, args.max_num_seqs, pool_rows(args, graphs), budget, shape,
+        block_size=size, num_blocks=num, block_bytes=block,
+    )  # fmt: skip

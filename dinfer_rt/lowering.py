@@ -6,8 +6,14 @@ Graph inputs:
   ``token_index`` i64[T]    sequence slot of each token (cache index, block-causal rule);
                             i64[B, T] with ``per_row`` (each row its own slots: continuous batching)
   ``key_valid`` bool[B, S]  padding mask over keys (S == T without a cache)
-  ``k_cache.i``/``v_cache.i`` [B, S, KV, D] per layer, in the cached variant only
-Outputs: ``logits`` [B, T, V] (unshifted), and the updated caches in the cached variant.
+  ``k_cache.i``/``v_cache.i`` [B, S, KV, D] per layer, in the cached variant only; with
+                            ``paged`` the layer's pools [NB, P, KV, D] instead, plus
+  ``block_table`` i32[B, NBT]  the pool block holding each row's P-position span (``kv_gather``)
+Outputs: ``logits`` [B, T, V] (unshifted), and the updated caches (or pools) in the cached variant.
+
+A paged layer gathers its rows' S positions into contiguous scratch, runs the same ``attention``
+over it, and scatters the slots it computed back into the pools (``kv_scatter``): the kernels
+stay unchanged while the engine shares pool blocks between rows and its prefix cache.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ def lower(
     score: str = "max",
     per_row: bool = False,
     weight_format: str | None = None,
+    paged: bool = False,
 ) -> Graph:
     """Build and verify the forward graph of ``spec`` in compute dtype ``dtype``.
 
@@ -44,9 +51,12 @@ def lower(
     its own set of slots (rows at different blocks share one forward). ``weight_format``
     ("int8", "fp8", "gptq4") makes the decoder projections weight-only quantised linears over
     the parameters ``quant.quantized_names`` (or ``<name>@gptq4.<tensor>``) name (``dinfer_rt.quant``).
+    ``paged`` (cached only) takes the KV as paged pools plus a ``block_table`` (module docstring).
     """
+    if paged and not cached:
+        raise ValueError("lower: paged=True needs cached=True (the pools are a KV cache)")
     acc = accumulate_dtype(dtype)
-    g = Graph(f"{spec.family}{'_cached' if cached else ''}{'_per_row' if per_row else ''}")
+    g = Graph(f"{spec.family}{'_cached' if cached else ''}{'_paged' if paged else ''}{'_per_row' if per_row else ''}")
     ids = g.input("input_ids", TensorType(("B", "T"), torch.int64))
     pos = g.input("positions", TensorType(("B", "T"), torch.int64))
     tok = g.input("token_index", TensorType(("B", "T") if per_row else ("T",), torch.int64))
@@ -54,13 +64,15 @@ def lower(
     kvd = (spec.n_kv_heads, spec.head_dim)
     caches = []
     if cached:
+        layout = ("NB", "P", *kvd) if paged else ("B", "S", *kvd)
         for i in range(spec.n_layers):
             caches.append(
                 (
-                    g.input(f"k_cache.{i}", TensorType(("B", "S", *kvd), dtype)),
-                    g.input(f"v_cache.{i}", TensorType(("B", "S", *kvd), dtype)),
+                    g.input(f"k_cache.{i}", TensorType(layout, dtype)),
+                    g.input(f"v_cache.{i}", TensorType(layout, dtype)),
                 )
             )
+    table = g.input("block_table", TensorType(("B", "NBT"), torch.int32)) if paged else None
     P: dict[str, Value] = {}
     Q: dict[str, tuple[Value, ...]] = {}  # quantised projections: IR name -> the op's weight inputs
     for p in param_plan(spec):
@@ -101,7 +113,13 @@ def lower(
         q = g.op("rope", q, pos, theta=spec.rope_theta, rotary_dim=spec.rotary_dim)
         k = g.op("rope", k, pos, theta=spec.rope_theta, rotary_dim=spec.rotary_dim)
         bs = block_size if spec.block_causal else None
-        if cached:
+        if paged:
+            kc, vc = g.op("kv_gather", *caches[i], table, key_valid)
+            a, kc, vc = g.op("attention", q, k, v, key_valid, tok, kc, vc, scale=scale, block_size=bs)
+            kp, vp = g.op("kv_scatter", *caches[i], table, tok, kc, vc)
+            g.output(f"k_cache.{i}", kp)
+            g.output(f"v_cache.{i}", vp)
+        elif cached:
             a, kc, vc = g.op("attention", q, k, v, key_valid, tok, *caches[i], scale=scale, block_size=bs)
             g.output(f"k_cache.{i}", kc)
             g.output(f"v_cache.{i}", vc)

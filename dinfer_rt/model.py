@@ -3,7 +3,8 @@
 ``forward`` is the one entry point for every family. It always returns per-position
 predictions (Dream's shifted logits are re-aligned so position i predicts token i), and
 with a :class:`KVCache` it computes only the requested positions, reading every other
-position's K/V from the cache and splicing the fresh K/V in.
+position's K/V from the cache and splicing the fresh K/V in. A :class:`PagedKV` does the same
+over a paged pool (blocks of positions named by a block table) that rows can share.
 """
 
 from __future__ import annotations
@@ -57,6 +58,52 @@ class KVCache:
     def rows(self, r0: int, r1: int) -> KVCache:
         """Rows [r0, r1) of every buffer, as views: a forward on them writes this cache in place."""
         return KVCache([k[r0:r1] for k in self.k], [v[r0:r1] for v in self.v])
+
+
+@dataclass
+class PagedKV:
+    """A paged KV cache: per-layer pools [NB, P, KV, D] and a block table [B, NBT] (int32) that
+    puts row b's position p at ``pool[table[b, p // P], p % P]``; the forward reads positions
+    0..``length``-1. Blocks are shared by the engine's rows and its prefix cache; block 0 is the
+    trash block padding writes land in."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    table: torch.Tensor
+    length: int
+
+    @property
+    def block_size(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def batch(self) -> int:
+        return self.table.shape[0]
+
+    def rows(self, r0: int, r1: int) -> PagedKV:
+        """Rows [r0, r1): the same pools under those rows of the table."""
+        return PagedKV(self.k, self.v, self.table[r0:r1], self.length)
+
+
+def _check_paged(cache: PagedKV, batch: int, length: int, where: str) -> None:
+    """A clear error for a block table or length the paged graph cannot use."""
+    t, p, nb = cache.table, cache.block_size, cache.k[0].shape[0]
+    if t.dim() != 2 or t.dtype not in (torch.int32, torch.int64):
+        raise GenerationError(
+            f"{where}: block table must be an int32 (or int64) [B, NBT] tensor, got {t.dtype} {list(t.shape)}"
+        )
+    if t.shape[0] != batch:
+        raise GenerationError(f"{where}: block table has {t.shape[0]} rows, the batch is {batch}")
+    if cache.length != length:
+        raise GenerationError(f"{where}: paged KV length {cache.length} differs from the sequence length {length}")
+    if t.shape[1] * p < length:
+        raise GenerationError(
+            f"{where}: block table of {t.shape[1]} blocks x {p} positions covers {t.shape[1] * p} < {length} positions"
+        )
+    if t.device.type == "cpu" and t.numel():
+        low, high = (int(x) for x in torch.aminmax(t))
+        if not 0 <= low <= high < nb:
+            raise GenerationError(f"{where}: block table holds block ids outside [0, {nb}) (min {low}, max {high})")
 
 
 class CachePool:
@@ -116,7 +163,7 @@ class Model:
         # dtype's float weights), "int8" / "fp8" (quantised at load), "gptq4" (a GPTQ checkpoint).
         self.weight_format = weight_format
         self.block_size = spec.default_block_size
-        self._compiled: dict[tuple[bool, int | None, str, str, bool, str | None], Executable] = {}
+        self._compiled: dict[tuple, Executable] = {}  # (cached, block size, head, score, per_row, format[, "paged"])
         # the scheduler's KV caches: kept for the next call only where graphs bind their addresses
         self.cache_pool = CachePool(self.new_cache, keep=2 if backend.replays_graphs() else 0)
         self.pass_counts: dict[str, int] = {}  # rewrites per pass in the last compiled graph
@@ -134,13 +181,17 @@ class Model:
         score: str = "max",
         per_row: bool = False,
         precision: str | None = None,
+        paged: bool = False,
     ) -> Executable:
         """The compiled forward for one variant. ``precision`` ("int8", "fp8"; None: the model's
         own ``weight_format``) picks the projections' weight format: a precision schedule keeps
-        one executable per precision over the float weights plus their quantised copies."""
+        one executable per precision over the float weights plus their quantised copies.
+        ``paged``: the KV comes as pools and a block table (:class:`PagedKV`)."""
         bs = (block_size or self.block_size) if self.spec.block_causal else None
         fmt = self.weight_format if precision is None else precision
-        key = (cached, bs, head, score if head == "confidence" else "", per_row, fmt)
+        key: tuple = (cached, bs, head, score if head == "confidence" else "", per_row, fmt)
+        if paged:  # unpaged keys keep their six fields (tests and benchmarks index them)
+            key += ("paged",)
         if key not in self._compiled:
             formats = self.backend.capabilities().weight_formats
             if fmt is not None and fmt not in formats:
@@ -163,6 +214,7 @@ class Model:
                 score=score,
                 per_row=per_row,
                 weight_format=fmt,
+                paged=paged,
             )
             if self.tensor_parallel is not None:  # shard before fusion: fused kernels see local shapes
                 from dinfer_rt.passes.shard import shard_graph
@@ -232,13 +284,32 @@ class Model:
             [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(s.n_layers)],
         )
 
+    def new_paged_pool(self, num_blocks: int, block_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Zeroed per-layer K and V pools [num_blocks, block_size, KV, D] for :class:`PagedKV`
+        (KV: this rank's share under tensor parallelism, as ``new_cache``)."""
+        s = self.spec
+        kv = s.n_kv_heads if self.tensor_parallel is None else self.tensor_parallel.kv_heads(s)
+        shape = (num_blocks, block_size, kv, s.head_dim)
+        dev = self.backend.device()
+        return (
+            [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(s.n_layers)],
+            [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(s.n_layers)],
+        )
+
+    def _bind_cache(self, inputs: dict[str, torch.Tensor], cache: KVCache | PagedKV) -> None:
+        """Add the cache's per-layer tensors (and a paged cache's block table) to ``inputs``."""
+        for i in range(self.spec.n_layers):
+            inputs[f"k_cache.{i}"], inputs[f"v_cache.{i}"] = cache.k[i], cache.v[i]
+        if isinstance(cache, PagedKV):
+            inputs["block_table"] = cache.table.to(self.backend.device(), torch.int32)
+
     @torch.no_grad()
     def forward(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         *,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKV | None = None,
         compute: torch.Tensor | None = None,
         block_size: int | None = None,
         precision: str | None = None,
@@ -250,7 +321,8 @@ class Model:
         to run; with ``cache`` every other position's K/V is read from it.
         """
         inputs, run, want = self._inputs(input_ids, attention_mask, cache, compute)
-        logits = self.executable(cache is not None, block_size, precision=precision)(inputs)["logits"]
+        paged = isinstance(cache, PagedKV)
+        logits = self.executable(cache is not None, block_size, precision=precision, paged=paged)(inputs)["logits"]
         if self.spec.shift_logits:
             logits = logits[:, self._predicted_by(run, want).to(logits.device)]
         return logits
@@ -263,7 +335,7 @@ class Model:
         *,
         select: torch.Tensor,
         score: str = "max",
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKV | None = None,
         compute: torch.Tensor | None = None,
         block_size: int | None = None,
         precision: str | None = None,
@@ -277,9 +349,11 @@ class Model:
         # memoised while the same tensors come back (the scheduler's per-window select / compute)
         key = ("select", id(select), select._version, id(run), run._version, id(want), want._version)
         inputs["select"] = self._memo(key, lambda: (self._select_rows(run, want, select), select, run, want))[0]
-        out = self.executable(cache is not None, block_size, head="confidence", score=score, precision=precision)(
-            inputs
+        paged = isinstance(cache, PagedKV)
+        exe = self.executable(
+            cache is not None, block_size, head="confidence", score=score, precision=precision, paged=paged
         )
+        out = exe(inputs)
         return out["confidence"], out["token"]
 
     @torch.no_grad()
@@ -289,7 +363,7 @@ class Model:
         token_index: torch.Tensor,
         positions: torch.Tensor,
         key_valid: torch.Tensor,
-        cache: KVCache | None,
+        cache: KVCache | PagedKV | None,
         *,
         select: torch.Tensor | None = None,
         score: str = "max",
@@ -313,7 +387,12 @@ class Model:
                 raise GenerationError(f"forward_rows: {name} must be [{b}, {t}] like input_ids, got {list(x.shape)}")
         if cache is None:
             return self._forward_rows_uncached(input_ids, positions, key_valid, select, score)
-        if tuple(key_valid.shape) != (b, cache.length) or cache.k[0].shape[0] != b:
+        paged = isinstance(cache, PagedKV)
+        if paged:
+            if key_valid.dim() != 2 or key_valid.shape[0] != b:
+                raise GenerationError(f"forward_rows: key_valid must be [{b}, S], got {list(key_valid.shape)}")
+            _check_paged(cache, b, key_valid.shape[1], "forward_rows")
+        elif tuple(key_valid.shape) != (b, cache.length) or cache.k[0].shape[0] != b:
             raise GenerationError(
                 f"forward_rows: key_valid {list(key_valid.shape)} and the cache [{cache.k[0].shape[0]}, "
                 f"{cache.length}] must both be [{b}, S]"
@@ -327,12 +406,11 @@ class Model:
             "token_index": token_index.to(dev),
             "key_valid": key_valid.to(dev),
         }
-        for i in range(self.spec.n_layers):
-            inputs[f"k_cache.{i}"], inputs[f"v_cache.{i}"] = cache.k[i], cache.v[i]
+        self._bind_cache(inputs, cache)
         if select is None:
-            return self.executable(True, block_size, per_row=True)(inputs)["logits"]
+            return self.executable(True, block_size, per_row=True, paged=paged)(inputs)["logits"]
         inputs["select"] = select.long().to(dev)
-        out = self.executable(True, block_size, head="confidence", score=score, per_row=True)(inputs)
+        out = self.executable(True, block_size, head="confidence", score=score, per_row=True, paged=paged)(inputs)
         return out["confidence"], out["token"]
 
     def _forward_rows_uncached(self, input_ids, positions, key_valid, select, score):
@@ -414,13 +492,15 @@ class Model:
             "token_index": run.to(dev),
             "key_valid": valid,
         }
-        if cache is not None:
+        if isinstance(cache, PagedKV):
+            _check_paged(cache, b, n, "paged KV")
+            self._bind_cache(inputs, cache)
+        elif cache is not None:
             if cache.length != n or cache.k[0].shape[0] != b:
                 raise GenerationError(
                     f"KV cache holds [{cache.k[0].shape[0]}, {cache.length}] positions, the input is [{b}, {n}]"
                 )
-            for i in range(self.spec.n_layers):
-                inputs[f"k_cache.{i}"], inputs[f"v_cache.{i}"] = cache.k[i], cache.v[i]
+            self._bind_cache(inputs, cache)
         return inputs, run, want
 
     def _memo(self, key: tuple, build):

@@ -16,7 +16,12 @@ external launcher (``torchrun``, ``llm.generate_on_rank``). Not to be confused w
 Device graphs (a backend whose ``replays_graphs()``): a forward's inputs say whether it may
 replay a captured graph (``graph``; False runs it eagerly, inside :func:`eager_forwards`) and how
 many rows pad it to the engine's batch-size bucket (``pad_rows``): every rank pads alike, the
-padding rows' outputs are dropped here, and their K/V go to pool rows no cohort holds.
+padding rows' outputs are dropped here, and their K/V go to pool rows no cohort holds (paged: to
+the trash block).
+
+Paged pools (``kv_blocks.py``): a cached forward also carries its rows' block table
+(``block_table``), so every rank reads and writes the same blocks without keeping a table of
+its own; the only other message a paged pool needs is a copy-on-write's block copies.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from dinfer_rt.errors import DinferError
-from dinfer_rt.model import KVCache, Model
+from dinfer_rt.kv_blocks import blocks_for
+from dinfer_rt.model import KVCache, Model, PagedKV
 
 # ---------------------------------------------------------------- what a forward needs
 
@@ -48,7 +54,9 @@ class RowWindows:
 class ForwardInputs:
     """Everything one forward needs, in a form any rank can run.
 
-    ``cache``: ``(first_row, rows, length)`` of the engine's KV-cache pool, or None (uncached).
+    ``cache``: ``(first_row, rows, length)`` of the engine's KV-cache pool, or None (uncached);
+    with a paged pool, ``block_table`` is those rows' block table (int32 [rows, blocks]; missing
+    rows and entries read the trash block).
     With ``rows`` None the forward is one window for every row (``compute``: the positions
     computed, None for all; ``attention_mask`` marks real tokens) and ``select`` are positions;
     with ``rows`` each row has its own window and ``select`` indexes its queries. ``select``
@@ -68,6 +76,7 @@ class ForwardInputs:
     # positions appended to the sequence up to a graph's length bucket: masked keys, and queries
     # (outputs dropped) where the window is the whole sequence
     pad_length: int = 0
+    block_table: torch.Tensor | None = None
 
 
 _GRAPHS = threading.local()
@@ -111,10 +120,10 @@ def run_rows(model: Model, inputs: ForwardInputs, rows: CachePoolRows):
         inputs, width = _lengthened(model, inputs, inputs.pad_length)
     pad = inputs.pad_rows
     if not pad:
-        out = run_on(model, inputs, rows.view(inputs.cache))
+        out = run_on(model, inputs, rows.view(inputs.cache, inputs.block_table))
         return out if width is None else out[:, :width]
     padded = _padded(model, inputs, pad)
-    out = run_on(model, padded, rows.view(padded.cache))
+    out = run_on(model, padded, rows.view(padded.cache, padded.block_table))
     b = inputs.input_ids.shape[0]
     if isinstance(out, tuple):
         return tuple(o[:b] for o in out)
@@ -206,15 +215,18 @@ def _run(model: Model, inputs: ForwardInputs, cache: KVCache | None):
 
 class CachePoolRows:
     """A KV-cache pool and views of its rows, built once per ``(first_row, rows, length)``: the
-    same views come back every step (the backends' per-forward memos key on them)."""
+    same views come back every step (the backends' per-forward memos key on them). A paged pool
+    (a :class:`PagedKV` with no table) is viewed through each forward's block table."""
 
-    def __init__(self, pool: KVCache | None = None) -> None:
+    def __init__(self, pool: KVCache | PagedKV | None = None) -> None:
         self.pool = pool
         self._views: dict[tuple[int, int, int], KVCache] = {}
 
-    def view(self, rows: tuple[int, int, int] | None) -> KVCache | None:
+    def view(self, rows: tuple[int, int, int] | None, table: torch.Tensor | None = None) -> KVCache | PagedKV | None:
         if rows is None:
             return None
+        if isinstance(self.pool, PagedKV) or table is not None:
+            return self._paged(rows, table)
         if self.pool is None:
             raise DinferError("a cached forward ran without a KV-cache pool bound to the runner")
         view = self._views.get(rows)
@@ -228,9 +240,34 @@ class CachePoolRows:
             self._views[rows] = view
         return view
 
+    def _paged(self, rows: tuple[int, int, int], table: torch.Tensor | None) -> PagedKV:
+        """The paged pool seen through ``table``, made ``[rows, blocks of length]``: rows and entries
+        it lacks (graph padding rows, a length bucket past the rows' blocks) read the trash block."""
+        pool = self.pool
+        if not isinstance(pool, PagedKV) or table is None:
+            what = "a block table" if table is None else "a paged KV pool bound to the runner"
+            raise DinferError(f"a cached forward on a paged KV pool ran without {what}")
+        _, b, n = rows
+        nb = blocks_for(n, pool.block_size)
+        if tuple(table.shape) != (b, nb):
+            full = torch.zeros((b, nb), dtype=torch.int32)
+            r, c = min(b, table.shape[0]), min(nb, table.shape[1])
+            full[:r, :c] = table[:r, :c]
+            table = full
+        return PagedKV(pool.k, pool.v, table, n)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: each ``(src, dst)`` block's K/V, every layer (``KVBlocks.writable``)."""
+        if not pairs or not isinstance(self.pool, PagedKV):
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.pool.k[0].device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.pool.k[0].device)
+        for buf in (*self.pool.k, *self.pool.v):
+            buf.index_copy_(0, dst, buf.index_select(0, src))
+
     def move(self, moves: list[tuple[int, int, int, int]]) -> None:
         """Copy pool rows ``(dst, src, rows, length)`` in order (the engine packs its rows down)."""
-        if self.pool is None:
+        if self.pool is None or isinstance(self.pool, PagedKV):  # paged: the engine moves its table rows
             return
         for dst, src, b, n in moves:
             for buf in (*self.pool.k, *self.pool.v):
@@ -248,12 +285,15 @@ class LocalRunner:
         self.model = model
         self.rows = CachePoolRows()
 
-    def bind(self, pool: KVCache | None) -> None:
+    def bind(self, pool: KVCache | PagedKV | None) -> None:
         """The engine's KV-cache pool (None: released)."""
         self.rows = CachePoolRows(pool)
 
     def move_rows(self, moves: list[tuple[int, int, int, int]]) -> None:
         self.rows.move(moves)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.rows.copy_blocks(pairs)
 
     def __call__(self, inputs: ForwardInputs):
         return run_rows(self.model, inputs, self.rows)
@@ -263,7 +303,8 @@ class LeadRunner(LocalRunner):
     """Rank 0 of a model-parallel group: each forward's inputs go to the group first.
 
     Messages (one ``broadcast_object_list`` each): ``("bind", rows, length)`` a fresh pool,
-    ``("move", moves)``, ``("run", inputs)``, ``("idle",)`` (a heartbeat while nothing runs, so
+    ``("bind_paged", blocks, block_size)`` a fresh paged pool, ``("move", moves)``, ``("copy",
+    pairs)`` a copy-on-write's blocks, ``("run", inputs)``, ``("idle",)`` (a heartbeat while nothing runs, so
     a follower's wait never reaches the group's timeout), ``("stop",)``."""
 
     def __init__(self, model: Model, group, src: int, timeout_s: float | None = None) -> None:
@@ -306,14 +347,22 @@ class LeadRunner(LocalRunner):
         )
         return self.lost
 
-    def bind(self, pool: KVCache | None) -> None:
+    def bind(self, pool: KVCache | PagedKV | None) -> None:
         super().bind(pool)
-        if pool is not None:
+        if isinstance(pool, PagedKV):
+            self.send(("bind_paged", pool.k[0].shape[0], pool.block_size))
+        elif pool is not None:
             self.send(("bind", pool.k[0].shape[0], pool.length))
 
     def move_rows(self, moves) -> None:
-        self.send(("move", moves))
+        if not isinstance(self.rows.pool, PagedKV):  # paged: nothing to copy anywhere
+            self.send(("move", moves))
         super().move_rows(moves)
+
+    def copy_blocks(self, pairs) -> None:
+        if pairs:
+            self.send(("copy", pairs))
+        super().copy_blocks(pairs)
 
     def __call__(self, inputs: ForwardInputs):
         self.send(("run", _on_host(inputs)))
@@ -340,7 +389,7 @@ def _on_host(inputs: ForwardInputs) -> ForwardInputs:
         rows = RowWindows(host(rows.token_index), host(rows.positions), host(rows.key_valid))
     return dataclasses.replace(
         inputs, input_ids=host(inputs.input_ids), attention_mask=host(inputs.attention_mask),
-        compute=host(inputs.compute), rows=rows, select=host(inputs.select),
+        compute=host(inputs.compute), rows=rows, select=host(inputs.select), block_table=host(inputs.block_table),
     )  # fmt: skip
 
 
@@ -381,12 +430,20 @@ def follow(model: Model, group, src: int, alive: Callable[[], bool] = lambda: Tr
             forwards += 1
         elif kind == "bind":
             pool = rows.pool
-            if pool is None or (pool.k[0].shape[0], pool.length) != (msg[1], msg[2]):
+            if not isinstance(pool, KVCache) or (pool.k[0].shape[0], pool.length) != (msg[1], msg[2]):
                 pool = model.new_cache(msg[1], msg[2])
             else:  # a pool lent again is zeroed, as the lead's is (``CachePool.acquire``)
                 for t in (*pool.k, *pool.v):
                     t.zero_()
             rows = CachePoolRows(pool)
+        elif kind == "bind_paged":
+            pool = rows.pool
+            if not isinstance(pool, PagedKV) or (pool.k[0].shape[0], pool.block_size) != (msg[1], msg[2]):
+                k, v = model.new_paged_pool(msg[1], msg[2])
+                pool = PagedKV(k, v, torch.zeros((0, 0), dtype=torch.int32), 0)
+            rows = CachePoolRows(pool)
+        elif kind == "copy":
+            rows.copy_blocks(msg[1])
         elif kind == "move":
             rows.move(msg[1])
         elif kind == "stop":

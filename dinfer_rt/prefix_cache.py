@@ -25,6 +25,15 @@ and the new request never recomputes them (``Cohort.cached_prefix``), not even a
 refreshes of ``prefix`` / ``dual``; that is where the saving comes from, and why the answer may
 differ from a cold run. ``PrefixCache.approximate`` says which kind an engine holds.
 
+Storage. With the engine's paged KV pool (``kv_blocks.py``, the default) an entry is one pool
+block of ``unit`` positions, referenced rather than copied: a hit points the new row's block
+table at it, an insert takes a reference to the row's own block, eviction drops the reference
+(the block is free once no row holds it either), and the pool's copy-on-write keeps a shared
+block from ever being written. Entries then cover ``unit`` positions each while the block length
+(``block_length``, part of every key: the block-causal mask differs with it) sets where a hit may
+end; the engine cuts a hit to whole blocks. With contiguous pool rows an entry holds its own
+copy of the K/V of one whole block.
+
 The engine (``engine.py``) decides which requests may use the cache and which of a request's
 blocks hold exact (or, approximate mode, first-forward) K/V; this module only stores, finds and
 evicts them.
@@ -41,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dinfer_rt.errors import GenerationError
+from dinfer_rt.kv_blocks import KVBlocks
 from dinfer_rt.model import KVCache
 
 _ROOT = b"dinfer-rt prefix cache"
@@ -57,7 +67,8 @@ def block_key(parent: bytes, block_length: int, tokens: Sequence[int]) -> bytes:
 
 @dataclass(eq=False)
 class CachedBlock:
-    """One block's K/V (per layer, [block_length, kv_heads, head_dim]) and its place in the chain."""
+    """One block's K/V (per layer, [block_length, kv_heads, head_dim]; paged: ``pool_block``, the
+    pool block holding them) and its place in the chain."""
 
     key: bytes
     parent: CachedBlock | None
@@ -69,6 +80,7 @@ class CachedBlock:
     refs: int = 0  # running requests that hold it
     children: int = 0  # cached blocks whose parent it is
     alive: bool = field(default=True, repr=False)  # False once evicted
+    pool_block: int = -1  # paged: the pool block it references (-1: ``k`` / ``v`` are its own copies)
 
 
 @dataclass
@@ -87,13 +99,17 @@ class PrefixCache:
     ``approximate``: the blocks are a bidirectional model's (a hit may change the answer), so
     whoever reports the cache (start-up line, ``/metrics``) can say so."""
 
-    def __init__(self, budget_bytes: int, *, approximate: bool = False) -> None:
+    def __init__(
+        self, budget_bytes: int, *, approximate: bool = False, blocks: KVBlocks | None = None, block_bytes: int = 0
+    ) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
             raise GenerationError(
                 f"prefix_cache_bytes must be an int >= 1 for a prefix cache (0 turns it off), got {budget_bytes!r}"
             )
         self.budget = budget_bytes
         self.approximate = bool(approximate)
+        # paged: entries are blocks of the engine's pool, ``block_bytes`` each (``kv_blocks.py``)
+        self.blocks, self.block_bytes = blocks, block_bytes
         self.stats = PrefixCacheStats()
         self._blocks: OrderedDict[bytes, CachedBlock] = OrderedDict()  # least recently used first
 
@@ -110,31 +126,43 @@ class PrefixCache:
         return sum(1 for n in self._blocks.values() if n.refs > 0)
 
     # ---------------------------------------------------------------- lookup
+    @property
+    def unit(self) -> int | None:
+        """Positions per entry: the pool's block size when paged (None: one entry per block)."""
+        return None if self.blocks is None else self.blocks.block_size
+
     def match(self, tokens: Sequence[int], block_length: int, max_blocks: int) -> list[CachedBlock]:
-        """The cached chain for the longest prefix of ``tokens`` in whole blocks (at most
-        ``max_blocks``), without touching counts or recency."""
+        """The cached chain for the longest prefix of ``tokens`` in whole entries (at most
+        ``max_blocks``; an entry is a block, or paged a pool block of :attr:`unit` positions),
+        without touching counts or recency."""
         chain: list[CachedBlock] = []
         parent_key, parent = _ROOT, None
+        unit = self.unit or block_length
         for b in range(max_blocks):
-            ids = tuple(tokens[b * block_length : (b + 1) * block_length])
-            if len(ids) < block_length:
+            ids = tuple(tokens[b * unit : (b + 1) * unit])
+            if len(ids) < unit:
                 break
             node = self._blocks.get(block_key(parent_key, block_length, ids))
-            if node is None or node.tokens != ids or node.parent is not parent or node.start != b * block_length:
+            if node is None or node.tokens != ids or node.parent is not parent or node.start != b * unit:
                 break
             chain.append(node)
             parent_key, parent = node.key, node
         return chain
 
-    def lookup(self, tokens: Sequence[int], block_length: int, max_blocks: int) -> list[CachedBlock]:
-        """:meth:`match`, counted in the stats, its blocks held (``release`` them when the
-        request ends) and made most recently used."""
-        chain = self.match(tokens, block_length, max_blocks)
+    def lookup(self, tokens: Sequence[int], block_length: int, max_blocks: int) -> tuple[list[CachedBlock], int]:
+        """:meth:`match` of the prompt's first ``max_blocks`` whole blocks, cut to whole blocks
+        (paged entries may end inside one), counted in the stats, its entries held (``release``
+        them when the request ends) and made most recently used. Returns the entries covering the
+        hit (paged: the last one may reach past it) and the positions hit."""
+        unit = self.unit or block_length
+        chain = self.match(tokens, block_length, max_blocks * block_length // unit)
+        hit = len(chain) * unit // block_length * block_length
+        chain = chain[: -(-hit // unit)]
         self.stats.queries += 1
         self.stats.query_tokens += max_blocks * block_length
-        self.stats.hit_tokens += len(chain) * block_length
+        self.stats.hit_tokens += hit
         self.acquire(chain)
-        return chain
+        return chain, hit
 
     def acquire(self, chain: list[CachedBlock]) -> None:
         for node in chain:
@@ -159,6 +187,70 @@ class PrefixCache:
         return sum(len(n.tokens) for n in chain)
 
     # ---------------------------------------------------------------- insert
+    def insert_blocks(self, tokens: Sequence[int], block_length: int, row_blocks: list[int]) -> list[CachedBlock]:
+        """Paged: cache the leading entries of ``tokens`` whose K/V are the pool blocks
+        ``row_blocks`` (a row's first blocks, :attr:`unit` positions each; the caller vouches for
+        their K/V as :meth:`insert` says) by reference. An entry cached already keeps its own block
+        (the row keeps its). Returns the chain held for the caller, as :meth:`insert`."""
+        assert self.blocks is not None, "insert_blocks needs a paged cache"
+        unit, chain = self.blocks.block_size, []
+        parent_key, parent = _ROOT, None
+        try:
+            for b, blk in enumerate(row_blocks):
+                ids = tuple(int(t) for t in tokens[b * unit : (b + 1) * unit])
+                if len(ids) < unit:
+                    break
+                key = block_key(parent_key, block_length, ids)
+                node = self._blocks.get(key)
+                if node is not None and (node.tokens != ids or node.parent is not parent):
+                    break  # a hash collision: keep the entry there, cache nothing past it
+                if node is None:
+                    if not self._make_room(self.block_bytes):
+                        break
+                    self.blocks.ref(blk)
+                    node = self._new(key, parent, ids, b * unit, [], [], self.block_bytes, blk)
+                self.acquire([node])
+                chain.append(node)
+                parent_key, parent = key, node
+        except BaseException:
+            self.release(chain)
+            raise
+        return chain
+
+    def _new(self, key, parent, ids, start, k, v, nbytes, pool_block=-1) -> CachedBlock:
+        node = CachedBlock(key, parent, ids, start, k, v, nbytes, pool_block=pool_block)
+        self._blocks[key] = node
+        if parent is not None:
+            parent.children += 1
+        self.stats.inserted_blocks += 1
+        self.stats.blocks += 1
+        self.stats.bytes += nbytes
+        return node
+
+    def evict_for(self, free_blocks: int) -> bool:
+        """Paged: evict least recently used entries nothing holds (leaves first) whose pool block
+        only the cache references, until ``free_blocks`` blocks of the pool are free; False if
+        they cannot be (the rest is held by running rows)."""
+        pool = self.blocks
+        if pool is None:
+            return False
+        while pool.free < free_blocks:
+            victim = next(
+                (n for n in self._blocks.values() if n.refs == 0 and n.children == 0 and pool.refs[n.pool_block] == 1),
+                None,
+            )
+            if victim is None:
+                return False
+            self._evict(victim)
+        return True
+
+    def evictable(self) -> int:
+        """Paged: pool blocks that :meth:`evict_for` could free now (entries nothing holds whose
+        block only the cache references; parents count, their children go first)."""
+        if self.blocks is None:
+            return 0
+        return sum(1 for n in self._blocks.values() if n.refs == 0 and self.blocks.refs[n.pool_block] == 1)
+
     def insert(
         self, tokens: Sequence[int], block_length: int, num_blocks: int, pool: KVCache, row: int
     ) -> list[CachedBlock]:
@@ -185,13 +277,7 @@ class PrefixCache:
                     nbytes = sum(t.numel() * t.element_size() for t in (*k, *v))
                     if not self._make_room(nbytes):
                         break
-                    node = CachedBlock(key, parent, ids, a, k, v, nbytes)
-                    self._blocks[key] = node
-                    if parent is not None:
-                        parent.children += 1
-                    self.stats.inserted_blocks += 1
-                    self.stats.blocks += 1
-                    self.stats.bytes += nbytes
+                    node = self._new(key, parent, ids, a, k, v, nbytes)
                 self.acquire([node])  # held while the rest is inserted (room is never made from it)
                 chain.append(node)
                 parent_key, parent = key, node
@@ -215,6 +301,8 @@ class PrefixCache:
         del self._blocks[node.key]
         node.alive = False
         node.k, node.v = [], []
+        if node.pool_block >= 0:
+            self.blocks.unref(node.pool_block)
         if node.parent is not None:
             node.parent.children -= 1
         self.stats.evicted_blocks += 1

@@ -34,6 +34,7 @@ import dinfer_rt
 from dinfer_rt.engine import Engine, EngineClosed, QueueFull, Request
 from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import DinferError, GenerationError
+from dinfer_rt.kv_blocks import blocks_for
 from dinfer_rt.kv_pool import available_memory, format_bytes, kv_pool_plan
 from dinfer_rt.model import Model
 from dinfer_rt.openai_protocol import (
@@ -146,15 +147,19 @@ def check_pool(spec, dtype, device, config: ServeConfig, replicas: int = 1, grap
     free = available_memory(device)
     args = EngineArgs.build(**{"max_num_seqs": config.max_num_seqs, **config.engine_args})
     try:
-        plan = kv_pool_plan(spec, dtype, args, length, graphs=graphs, free=free)
+        # a paged pool without a budget takes a share of the free memory: on the CPU the replicas share it
+        share = free if free is None or device.type != "cpu" else free // replicas
+        plan = kv_pool_plan(spec, dtype, args, length, graphs=graphs, free=share)
     except GenerationError as e:
         raise DinferError(f"serve: {e}") from None
     need = replicas * plan.nbytes
     if free is not None and need > free:
-        shape = (
-            f"{f'{replicas} replicas x ' if replicas > 1 else ''}{plan.pool_rows} rows x {plan.row_bytes} bytes "
-            f"({plan.shape})"
-        )
+        each = (
+            f"{plan.num_blocks} blocks x {plan.block_bytes} bytes + a block table of {plan.pool_rows} rows x "
+            f"{plan.max_blocks} int32 entries" if plan.paged
+            else f"{plan.pool_rows} rows x {plan.row_bytes} bytes"
+        )  # fmt: skip
+        shape = f"{f'{replicas} replicas x ' if replicas > 1 else ''}{each} ({plan.shape})"
         source = "--max-model-len" if config.max_model_len is not None else "the model's max_sequence_length"
         if args.kv_cache_memory is not None:
             rows = f"--kv-cache-memory ({args.kv_cache_memory} bytes)"
@@ -170,8 +175,18 @@ def check_pool(spec, dtype, device, config: ServeConfig, replicas: int = 1, grap
 
 
 def kv_pool_summary(engine: Engine, config: ServeConfig) -> str:
-    """The start-up line on the engine's KV pool: the rows it took and their bytes."""
+    """The start-up line on the engine's KV pool: its blocks (paged) or the rows it took, and their bytes."""
     plan = engine.kv_plan
+    if plan.paged:
+        budget = "" if plan.budget is None else f"; budget {format_bytes(plan.budget)} ({plan.budget} bytes)"
+        full = (plan.num_blocks - 1) // blocks_for(engine.max_model_len, plan.block_size)
+        return (
+            f"dinfer-rt KV pool: paged, {plan.num_blocks - 1} blocks of {plan.block_size} positions = "
+            f"{format_bytes(plan.nbytes)} ({plan.nbytes} bytes, {plan.block_bytes} per block, block table "
+            f"included{budget}); "
+            f"{plan.rows} rows decode at once, each taking the blocks of its own length "
+            f"({full} rows at the full {engine.max_model_len} positions would fit)"
+        )
     rows = f"{plan.rows} rows decode at once"
     if plan.rows < config.max_num_seqs:
         rows += f" (--max-num-seqs {config.max_num_seqs}: the budget holds {plan.rows})"

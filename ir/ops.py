@@ -434,6 +434,92 @@ def attention(
     return out
 
 
+# ---------------------------------------------------------------- paged KV storage
+
+
+def _infer_kv_pools(op: str, k_pool: TensorType, v_pool: TensorType, table: TensorType) -> None:
+    _need(k_pool.rank == 4, op, f"pools must be [NB, P, KV, D], got {k_pool}")
+    _same_shape(op, k_pool, v_pool)
+    _need(
+        table.rank == 2 and table.dtype in (torch.int32, torch.int64),
+        op,
+        f"block_table must be int32 or int64 [B, NBT], got {table}",
+    )
+
+
+def _infer_kv_gather(ts, attrs):
+    k_pool, v_pool, table, key_valid = ts
+    _infer_kv_pools("kv_gather", k_pool, v_pool, table)
+    _need(
+        key_valid.dtype == torch.bool and key_valid.rank == 2 and same_dim(key_valid.shape[0], table.shape[0]),
+        "kv_gather",
+        f"key_valid must be bool [B, S] with the block table's rows, got {key_valid} for table {table}",
+    )
+    out = TensorType((key_valid.shape[0], key_valid.shape[1], *k_pool.shape[2:]), k_pool.dtype)
+    return [out, out]
+
+
+def gather_pages(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` logical positions of every row of ``table`` as a contiguous [B, S, KV, D]
+    copy: block ``table[b, p // P]`` holds position p of row b at offset ``p % P``."""
+    p = pool.shape[1]
+    used = table[:, : -(-length // p)].long()  # blocks past the length are never read
+    return pool[used].flatten(1, 2)[:, :length].contiguous()
+
+
+def scatter_pages(pool: torch.Tensor, table: torch.Tensor, token_index: torch.Tensor, cache: torch.Tensor) -> None:
+    """``pool[table[b, p // P], p % P] = cache[b, p]`` for every slot p = ``token_index[b, t]``
+    ([T]: the same slots in every row), in place."""
+    b, p = table.shape[0], pool.shape[1]
+    slots = token_index.long()
+    slots = slots.expand(b, -1) if slots.dim() == 1 else slots
+    rows = torch.arange(b, device=slots.device)[:, None].expand_as(slots)
+    pool[table.long()[rows, slots // p], slots % p] = cache[rows, slots]
+
+
+@_register("kv_gather", 4)(_infer_kv_gather)
+def kv_gather(k_pool, v_pool, block_table, key_valid):
+    """Read a paged KV pool into contiguous per-row caches [B, S, KV, D] (S = key_valid's).
+
+    The pools [NB, P, KV, D] hold blocks of P positions shared by the running rows and the
+    prefix cache; ``block_table`` [B, NBT] names the block of each row's P-position span
+    (block 0 is trash: padding writes land there, nothing valid is read from it). Gathering
+    lets the existing ``attention`` kernels run unchanged on the result; ``kv_scatter`` then
+    writes back the slots this forward computed. Outputs are fresh tensors, not views.
+    """
+    s = key_valid.shape[1]
+    return gather_pages(k_pool, block_table, s), gather_pages(v_pool, block_table, s)
+
+
+def _infer_kv_scatter(ts, attrs):
+    k_pool, v_pool, table, token_index, k_cache, v_cache = ts
+    _infer_kv_pools("kv_scatter", k_pool, v_pool, table)
+    _need(
+        token_index.rank in (1, 2) and not token_index.is_float,
+        "kv_scatter",
+        f"token_index must be integer [T] or [B, T], got {token_index}",
+    )
+    _same_shape("kv_scatter", k_cache, v_cache)
+    _need(
+        k_cache.rank == 4 and k_cache.shape[2:] == k_pool.shape[2:] and k_cache.dtype == k_pool.dtype,
+        "kv_scatter",
+        f"caches {k_cache} do not match the pools {k_pool} (KV heads, head dim, dtype)",
+    )
+    _need(same_dim(k_cache.shape[0], table.shape[0]), "kv_scatter", f"caches {k_cache} vs block table {table} rows")
+    return [k_pool, v_pool]
+
+
+@_register("kv_scatter", 6, mutates=(0, 1))(_infer_kv_scatter)
+def kv_scatter(k_pool, v_pool, block_table, token_index, k_cache, v_cache):
+    """Write the slots this forward computed (``token_index`` [T] or [B, T], as in ``attention``)
+    from the contiguous caches [B, S, KV, D] back into the paged pools, in place; the outputs
+    alias the pools. Only these slots changed since ``kv_gather``, so nothing else is copied.
+    Repeated slots in a row (padding queries sharing a scratch slot) carry equal values."""
+    scatter_pages(k_pool, block_table, token_index, k_cache)
+    scatter_pages(v_pool, block_table, token_index, v_cache)
+    return k_pool, v_pool
+
+
 # ---------------------------------------------------------------- collectives
 
 COLLECTIVE_GROUPS: dict[str, object] = {}

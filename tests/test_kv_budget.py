@@ -1,4 +1,5 @@
-"""The KV pool's byte budget (issue #40 point 4, its part without paging): ``--kv-cache-memory`` /
+"""The KV pool's byte budget over contiguous rows (``kv_block_size=0``; the paged pool, the
+default, is ``tests/test_paged_engine.py``): ``--kv-cache-memory`` /
 ``--kv-cache-memory-fraction`` (``EngineArgs.kv_cache_memory`` / ``kv_cache_memory_fraction``) size
 the engine's rows as min(max_num_seqs, budget // bytes per row), with one arithmetic
 (``kv_pool.kv_pool_plan``) for the engine and ``serve``'s start-up check; a budget below one row is
@@ -60,17 +61,19 @@ def test_budget_to_rows_arithmetic_equals_the_allocated_tensors(gqa, monkeypatch
         ({"max_num_seqs": 4, "kv_cache_memory": 100 * row}, 4),  # min(max_num_seqs, ...)
     ]
     for fields, rows in cases:
-        engine = Engine(gqa, max_model_len=20, prefix_cache_bytes=0, **fields)
+        engine = Engine(gqa, kv_block_size=0, max_model_len=20, prefix_cache_bytes=0, **fields)
         assert engine.max_num_seqs == engine.args.max_num_seqs == engine.pool_rows == rows, fields
         assert engine.kv_pool_bytes == allocated(engine) == rows * row, fields
         assert engine.kv_pool_bytes <= fields.get("kv_cache_memory", engine.kv_pool_bytes)
         engine.release()
-    no_scratch = Engine(gqa, max_model_len=20, max_num_seqs=8, kv_cache_memory=3 * row, scratch_slot=False)
+    no_scratch = Engine(
+        gqa, kv_block_size=0, max_model_len=20, max_num_seqs=8, kv_cache_memory=3 * row, scratch_slot=False
+    )
     assert no_scratch.kv_pool_bytes == allocated(no_scratch) == 3 * kv_row_bytes(s, torch.float32, 20)
     no_scratch.release()
     # a fraction of the free memory after the weights (the CPU's MemAvailable, here 10 rows)
     monkeypatch.setattr(dinfer_rt.engine, "available_memory", lambda device: 10 * row)
-    engine = Engine(gqa, max_model_len=20, max_num_seqs=8, kv_cache_memory_fraction=0.25)
+    engine = Engine(gqa, kv_block_size=0, max_model_len=20, max_num_seqs=8, kv_cache_memory_fraction=0.25)
     assert engine.max_num_seqs == 2 and engine.kv_plan.budget == int(2.5 * row) and allocated(engine) == 2 * row
     assert "2 rows decode at once (--max-num-seqs 8: the budget holds 2)" in kv_pool_summary(
         engine, ServeConfig(max_num_seqs=8)
@@ -78,7 +81,7 @@ def test_budget_to_rows_arithmetic_equals_the_allocated_tensors(gqa, monkeypatch
     engine.release()
     monkeypatch.setattr(dinfer_rt.engine, "available_memory", lambda device: None)
     with pytest.raises(GenerationError, match="free memory of this device is unknown; give the budget in bytes"):
-        Engine(gqa, kv_cache_memory_fraction=0.5)
+        Engine(gqa, kv_block_size=0, kv_cache_memory_fraction=0.5)
 
 
 def test_graph_padding_rows_only_as_far_as_the_budget_holds_them(ckpt_dir, monkeypatch):
@@ -86,10 +89,10 @@ def test_graph_padding_rows_only_as_far_as_the_budget_holds_them(ckpt_dir, monke
 
     model, _ = graphed_model(ckpt_dir("llada"), monkeypatch)
     row = kv_pool_plan(model.spec, model.dtype, EngineArgs(), model.spec.max_length).row_bytes
-    roomy = Engine(model, max_num_seqs=6, kv_cache_memory=10 * row, **ARGS)
+    roomy = Engine(model, kv_block_size=0, max_num_seqs=6, kv_cache_memory=10 * row, **ARGS)
     assert (roomy.max_num_seqs, roomy.pool_rows, roomy.graph_buckets) == (6, 8, (1, 2, 4, 8))
     roomy.release()
-    tight = Engine(model, max_num_seqs=8, kv_cache_memory=6 * row + 5, **ARGS)
+    tight = Engine(model, kv_block_size=0, max_num_seqs=8, kv_cache_memory=6 * row + 5, **ARGS)
     assert (tight.max_num_seqs, tight.pool_rows, tight.graph_buckets) == (6, 6, (1, 2, 4, 8))
     assert tight.kv_pool_bytes == allocated(tight) == 6 * row
     batch = prompts(5, seed=3)  # bucket 8 > the 6 pool rows: eager, same tokens
@@ -101,17 +104,17 @@ def test_graph_padding_rows_only_as_far_as_the_budget_holds_them(ckpt_dir, monke
 def test_a_budget_below_one_row_is_an_error_naming_the_numbers(gqa, capsys):
     row = kv_row_bytes(gqa.spec, torch.float32, 21)
     with pytest.raises(GenerationError) as e:
-        Engine(gqa, max_model_len=20, kv_cache_memory=row - 1)
+        Engine(gqa, kv_block_size=0, max_model_len=20, kv_cache_memory=row - 1)
     msg = str(e.value)
     parts = (f"budget of {row - 1} bytes", f"one row needs {row} bytes", "2 KV heads", "--kv-cache-memory")
     for part in (*parts, "21 positions (max_model_len 20 + 1 scratch)", "--max-model-len (20)"):
         assert part in msg, (part, msg)
     # serve's start-up check: the same arithmetic and message, before anything is loaded
-    config = ServeConfig(max_model_len=20, engine_args={"kv_cache_memory": row - 1})
+    config = ServeConfig(max_model_len=20, engine_args={"kv_cache_memory": row - 1, "kv_block_size": 0})
     with pytest.raises(DinferError, match=f"serve: the KV-cache budget of {row - 1} bytes .* one row needs {row} "):
         check_pool(gqa.spec, torch.float32, torch.device("cpu"), config)
     assert check_pool(gqa.spec, torch.float32, torch.device("cpu"), ServeConfig(max_model_len=20)) == 20
-    assert main(["serve", "--port", "1", "--kv-cache-memory", "1KiB"]) == 2
+    assert main(["serve", "--port", "1", "--kv-cache-memory", "1KiB", "--kv-block-size", "0"]) == 2
     err = capsys.readouterr().err
     assert "budget of 1024 bytes (1.0 KiB; kv_cache_memory, --kv-cache-memory) holds no pool row" in err
     assert f"one row needs {EMBEDDED_ROW} bytes" in err
@@ -126,7 +129,7 @@ def test_a_budget_below_one_row_is_an_error_naming_the_numbers(gqa, capsys):
 
 
 def test_a_request_past_the_model_length_names_its_kv_bytes(embedded):
-    engine = Engine(embedded.model, max_num_seqs=1)
+    engine = Engine(embedded.model, kv_block_size=0, max_num_seqs=1)
     assert engine.kv_bytes_per_position * 65 == EMBEDDED_ROW
     with pytest.raises(GenerationError) as e:
         engine.submit([5] * 30, PARAMS)  # 30 + 40 = 70 > 64
@@ -136,7 +139,9 @@ def test_a_request_past_the_model_length_names_its_kv_bytes(embedded):
 
 
 def test_two_rows_of_budget_decode_four_requests_two_at_a_time(embedded):
-    engine = Engine(embedded.model, max_num_seqs=8, kv_cache_memory=2 * EMBEDDED_ROW + EMBEDDED_ROW // 2)
+    engine = Engine(
+        embedded.model, kv_block_size=0, max_num_seqs=8, kv_cache_memory=2 * EMBEDDED_ROW + EMBEDDED_ROW // 2
+    )
     assert engine.max_num_seqs == 2 and engine.kv_pool_bytes == 2 * EMBEDDED_ROW
     prompts = [embedded.encode(item.letters, True) for item in task.heldout(4)]
     reqs = [engine.submit(p, PARAMS) for p in prompts]
@@ -152,7 +157,7 @@ def test_two_rows_of_budget_decode_four_requests_two_at_a_time(embedded):
 def test_serve_with_a_two_row_budget_answers_four_concurrent_requests_as_offline(embedded):
     s = ServerProcess(
         "--strategy", "threshold", "--block-length", "8", "--max-num-seqs", "8",
-        "--kv-cache-memory", str(2 * EMBEDDED_ROW + 100), cwd=ROOT,
+        "--kv-cache-memory", str(2 * EMBEDDED_ROW + 100), "--kv-block-size", "0", cwd=ROOT,
     )  # fmt: skip
     try:
         assert s.metric("dinfer_kv_pool_rows") == 2 and s.metric("dinfer_kv_pool_bytes") == 2 * EMBEDDED_ROW
@@ -192,6 +197,7 @@ def test_flags_sizes_with_units_bad_values_and_both_flags(capsys):
     a = parser.parse_args(["serve", "--kv-cache-memory-fraction", "0.9"])
     assert _kv_budget_args(a) == {"kv_cache_memory_fraction": 0.9}
     assert _kv_budget_args(parser.parse_args(["serve"])) == {}
+    assert _kv_budget_args(parser.parse_args(["serve", "--kv-block-size", "0"])) == {"kv_block_size": 0}
     for argv, message in (
         (["--kv-cache-memory", "8XB"], "argument --kv-cache-memory: expected bytes or a size with a unit"),
         (["--kv-cache-memory-fraction", "2"], "argument --kv-cache-memory-fraction: must be in (0, 1], got '2'"),

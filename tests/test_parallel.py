@@ -217,18 +217,24 @@ def _scheduler_on_rank_0(rank, world, prompts, params):
     runner.send = lambda msg: (sent.append(msg[0]), send(msg))[1]
     try:
         static = run_batch(model, prompts, params, runner=runner)
-        engine = Engine(model, max_num_seqs=4, runner=runner)
+        engine = Engine(model, max_num_seqs=4, runner=runner)  # the paged pool: tables travel with the inputs
         served = _serve_in_steps(engine, prompts, params)
-        forwards = static.nfe + len(engine.forward_s)
+        rows = Engine(model, max_num_seqs=4, runner=runner, kv_block_size=0)  # contiguous rows: moves are sent
+        served_rows = _serve_in_steps(rows, prompts, params)
+        forwards = static.nfe + len(engine.forward_s) + len(rows.forward_s)
     finally:
         runner.stop()
-    return {"static": static.tokens, "served": served, "forwards": forwards, "sent": sent, "stats": engine.stats}
+    return {
+        "static": static.tokens, "served": served, "served_rows": served_rows, "forwards": forwards, "sent": sent,
+        "stats": engine.stats,
+    }  # fmt: skip
 
 
 def test_rank_0_owns_the_scheduler_and_the_others_run_what_it_sends():
     """The seam of ``model_runner``: under tensor parallelism only rank 0 has an engine; rank 1
-    runs exactly the forwards rank 0 sends (lockstep and per-row, with the pool's row moves) and
-    the answers equal one process's, static and served."""
+    runs exactly the forwards rank 0 sends (lockstep and per-row; a paged pool's block tables with
+    the inputs, contiguous rows' moves as messages) and the answers equal one process's, static
+    and served."""
     from dinfer_rt.engine import Engine, run_batch
 
     model = dinfer_rt.load_model()
@@ -237,9 +243,10 @@ def test_rank_0_owns_the_scheduler_and_the_others_run_what_it_sends():
     want_static = run_batch(model, prompts, params).tokens
     want_served = _serve_in_steps(Engine(model, max_num_seqs=4), prompts, params)
     lead, follower = parallel.launch(2, _scheduler_on_rank_0, prompts, params, timeout=240, all_ranks=True)
-    assert torch.equal(lead["static"], want_static) and lead["served"] == want_served
+    assert torch.equal(lead["static"], want_static) and lead["served"] == lead["served_rows"] == want_served
     assert follower["forwards"] == lead["forwards"] == lead["sent"].count("run")
-    assert {"bind", "move", "run"} <= set(lead["sent"])  # the pool's moves went to the group too
+    # a paged pool is bound once and never moves; contiguous rows' moves went to the group too
+    assert {"bind", "bind_paged", "move", "run"} <= set(lead["sent"])
     assert lead["stats"].per_row_steps > 0 and lead["stats"].lockstep_steps > 0
 
 

@@ -109,7 +109,7 @@ def test_lru_eviction_under_the_budget_never_takes_a_held_block_or_a_parent():
     assert cache.match([7] * 4, LB, 1) == [] and len(cache.match([6] * 8, LB, 2)) == 2
     assert cache.stats.evicted_blocks == 1 and cache.stats.bytes == 3 * block_bytes
     cache.release(first)
-    cache.lookup([8] * 4, LB, 1)  # [8] most recent and held again; [6]'s leaf is the only candidate
+    cache.lookup([8] * 4, LB, 1)[0]  # [8] most recent and held again; [6]'s leaf is the only candidate
     cache.release(cache.insert([9] * 4, LB, 1, _pool(1), 0))
     assert len(cache.match([6] * 8, LB, 2)) == 1 and cache.match([8] * 4, LB, 1)  # the leaf, not its parent
     assert cache.stats.bytes <= cache.budget
@@ -120,8 +120,8 @@ def test_lru_eviction_under_the_budget_never_takes_a_held_block_or_a_parent():
 def test_stats_count_queries_and_hit_tokens():
     cache = PrefixCache(1 << 20)
     cache.release(cache.insert(SYSTEM, LB, 3, _pool(4), 0))
-    cache.release(cache.lookup(SYSTEM[:12] + [6, 6, 6, 6], LB, 4))
-    cache.release(cache.lookup([6] * 16, LB, 4))
+    cache.release(cache.lookup(SYSTEM[:12] + [6, 6, 6, 6], LB, 4)[0])
+    cache.release(cache.lookup([6] * 16, LB, 4)[0])
     st = cache.stats
     assert (st.queries, st.query_tokens, st.hit_tokens, st.inserted_blocks) == (2, 32, 12, 3)
 
@@ -200,13 +200,14 @@ def test_multi_turn_chat_reuses_the_previous_turn(models):
     assert warm[0] == _alone(model, turn2, params)
 
 
-def test_the_k_v_of_a_cache_hit_equal_a_fresh_prefill(models):
-    """The K/V copied from the cache equal a fresh prefill's, and so do those the first forward
-    computed past them while reading the copies: after decoding, every block but the last
-    (nothing reads it) holds what a fresh prefill of the final sequence writes."""
+@pytest.mark.parametrize("kv_block_size", [4, 0])
+def test_the_k_v_of_a_cache_hit_equal_a_fresh_prefill(models, kv_block_size):
+    """The K/V copied from the cache (paged: referenced) equal a fresh prefill's, and so do those
+    the first forward computed past them while reading the cached ones: after decoding, every
+    block but the last (nothing reads it) holds what a fresh prefill of the final sequence writes."""
     model = models("sdar")
     params = _params(gen_length=12, strategy="low_confidence_dynamic")
-    engine = Engine(model, max_num_seqs=1)
+    engine = Engine(model, max_num_seqs=1, kv_block_size=kv_block_size)
     _serve(engine, SYSTEM + [20], params)
     prompt = SYSTEM + [25, 26, 27]
     chain = engine.prefix_cache.match(prompt, LB, len(prompt) // LB)
@@ -219,12 +220,14 @@ def test_the_k_v_of_a_cache_hit_equal_a_fresh_prefill(models):
     for layer, (ck, cv) in enumerate(zip(fresh.k, fresh.v)):
         for node in chain:
             a = node.start
-            assert (node.k[layer] - ck[0, a : a + LB]).abs().max() < 1e-5
-            assert (node.v[layer] - cv[0, a : a + LB]).abs().max() < 1e-5
+            nk, nv = engine.cached_kv(node)
+            assert (nk[layer] - ck[0, a : a + LB]).abs().max() < 1e-5
+            assert (nv[layer] - cv[0, a : a + LB]).abs().max() < 1e-5
     last = ((cohort.n - 1) // LB) * LB
-    for kept, prefill in zip((*engine.cache.k, *engine.cache.v), (*fresh.k, *fresh.v)):
-        assert (kept[0, :last] - prefill[0, :last]).abs().max() < 1e-5
-    assert engine.cache.k[0][0, :12].abs().sum() > 0
+    if not kv_block_size:  # contiguous: the pool row keeps them (paged: the row's blocks are the cache's below)
+        for kept, prefill in zip((*engine.cache.k, *engine.cache.v), (*fresh.k, *fresh.v)):
+            assert (kept[0, :last] - prefill[0, :last]).abs().max() < 1e-5
+        assert engine.cache.k[0][0, :12].abs().sum() > 0
     # at its end the request cached every block before the last one it decoded, generated ones
     # too (recomputed from their final tokens): their K/V are the fresh prefill's as well
     assert cohort.block_start == last
@@ -233,8 +236,9 @@ def test_the_k_v_of_a_cache_hit_equal_a_fresh_prefill(models):
     for layer, (ck, cv) in enumerate(zip(fresh.k, fresh.v)):
         for node in every:
             a = node.start
-            assert (node.k[layer] - ck[0, a : a + LB]).abs().max() < 1e-5
-            assert (node.v[layer] - cv[0, a : a + LB]).abs().max() < 1e-5
+            nk, nv = engine.cached_kv(node)
+            assert (nk[layer] - ck[0, a : a + LB]).abs().max() < 1e-5
+            assert (nv[layer] - cv[0, a : a + LB]).abs().max() < 1e-5
 
 
 def test_eviction_under_a_tiny_budget_keeps_outputs_identical(models):
@@ -301,7 +305,9 @@ def test_an_aborted_or_failed_request_releases_its_blocks(models):
 
 
 def test_the_cache_is_on_for_block_causal_models_only_and_off_when_asked(models):
-    assert Engine(models("sdar")).prefix_cache.budget == 1 << 30  # the CPU default
+    assert Engine(models("sdar"), kv_block_size=0).prefix_cache.budget == 1 << 30  # the CPU default
+    paged = Engine(models("sdar"))  # its blocks are the pool's: never more than the pool
+    assert paged.prefix_cache.budget == min(1 << 30, paged.kv_pool_bytes) and paged.prefix_cache.unit == 4
     assert Engine(models("sdar"), prefix_cache_bytes=4096).prefix_cache.budget == 4096
     assert Engine(models("sdar"), prefix_cache_bytes=0).prefix_cache is None
     assert Engine(models("llada")).prefix_cache is None  # bidirectional: prompt K/V depend on the answer

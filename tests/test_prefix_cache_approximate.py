@@ -123,14 +123,16 @@ def test_a_hit_reuses_the_prompt_blocks_and_no_refresh_recomputes_them(models, f
     assert len(warm[0]) == len(cold[0]) and engine.prefix_cache.held() == 0
 
 
-def test_the_reused_k_v_are_the_earlier_first_forwards_and_stay_frozen(models):
-    """After the hit decoded, its pool row still holds at the cached positions exactly the K/V
-    of the earlier request's first forward (its prompt and an all-masked answer), recomputed here
-    independently: never overwritten by a refresh. They differ from the K/V its own first
-    forward would compute (another tail, another answer): the reuse is an approximation."""
+@pytest.mark.parametrize("kv_block_size", [4, 0])
+def test_the_reused_k_v_are_the_earlier_first_forwards_and_stay_frozen(models, kv_block_size):
+    """After the hit decoded, the cached positions still hold exactly the K/V of the earlier
+    request's first forward (its prompt and an all-masked answer), recomputed here independently:
+    never overwritten by a refresh (contiguous: in its pool row; paged: in the shared blocks the
+    row read, which copy-on-write keeps). They differ from the K/V its own first forward would
+    compute (another tail, another answer): the reuse is an approximation."""
     model = models("llada")
     params = _params(gen_length=12)
-    engine = Engine(model, max_num_seqs=1, prefix_cache="approximate")
+    engine = Engine(model, max_num_seqs=1, prefix_cache="approximate", kv_block_size=kv_block_size)
     earlier, prompt = SYSTEM + [20, 21, 22], SYSTEM + [25, 26, 27, 28, 29]
     _serve(engine, earlier, params)
     chain = engine.prefix_cache.match(prompt, LB, 4)
@@ -146,13 +148,11 @@ def test_the_reused_k_v_are_the_earlier_first_forwards_and_stay_frozen(models):
 
     theirs, own = first_forward(earlier), first_forward(prompt)
     for layer in range(len(engine.cache.k)):
-        for pool, ref, mine in ((engine.cache.k, theirs.k, own.k), (engine.cache.v, theirs.v, own.v)):
-            kept = pool[layer][0, :12]
+        for i, ref, mine in ((0, theirs.k, own.k), (1, theirs.v, own.v)):
+            cached = torch.cat([engine.cached_kv(node)[i][layer] for node in chain])
+            kept = cached if kv_block_size else (engine.cache.k, engine.cache.v)[i][layer][0, :12]
             assert (kept - ref[layer][0, :12]).abs().max() < 1e-5
-            for node in chain:
-                assert torch.equal(
-                    node.k[layer] if pool is engine.cache.k else node.v[layer], kept[node.start : node.start + LB]
-                )
+            assert torch.equal(cached, kept)
             if layer > 0:  # layer 0's K/V see only their own token: equal; deeper ones see the tail
                 assert (kept - mine[layer][0, :12]).abs().max() > 1e-4
 

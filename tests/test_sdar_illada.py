@@ -399,7 +399,7 @@ def test_finished_blocks_hold_the_k_v_of_a_fresh_prefill(ckpt):
 
     model = dinfer_rt.load_model(ckpt("sdar"), backend="cpu")
     params = SamplingParams(gen_length=12, block_length=4, strategy="low_confidence_dynamic", cache="dual")
-    engine = Engine(model, max_num_seqs=1)
+    engine = Engine(model, max_num_seqs=1, kv_block_size=0)  # contiguous: the row stays readable after its end
     req = engine.submit([7, 8, 9, 10, 11], params)
     engine.run_until_idle()
     cohort = req.cohort

@@ -49,11 +49,12 @@ def model():
 
 @pytest.fixture(scope="module")
 def replicas():
-    """Two replica processes, each allowed 8 rows by max_num_seqs but one by its KV budget."""
+    """Two replica processes, each allowed 8 rows by max_num_seqs but one by its KV budget (contiguous
+    rows: a paged pool's rows are table rows, and its budget bounds blocks instead)."""
     from dinfer_rt.workers import ReplicaPool
 
     load = {"path": str(default_model_path()), "backend": "cpu"}
-    engine = {"max_num_seqs": 8, "kv_cache_memory": BUDGET, "prefix_cache_bytes": 0}
+    engine = {"max_num_seqs": 8, "kv_cache_memory": BUDGET, "prefix_cache_bytes": 0, "kv_block_size": 0}
     pool = ReplicaPool(2, load, engine, max_queue=1, timeout=180)
     try:
         yield pool
@@ -120,7 +121,7 @@ def test_served_replicas_answer_a_batch_past_their_kv_rows_with_a_429_naming_the
     after the 4 finished, so nothing else is in flight)."""
     s = ServerProcess(
         "--data-parallel-size", "2", "--max-num-seqs", "8", "--max-queue", "1",
-        "--kv-cache-memory", str(BUDGET), "--strategy", "threshold", "--block-length", "8",
+        "--kv-cache-memory", str(BUDGET), "--kv-block-size", "0", "--strategy", "threshold", "--block-length", "8",
         "--gen-length", "8", "--no-prefix-cache", cwd=ROOT, lifetime=240,
     )  # fmt: skip
     try:
@@ -248,6 +249,12 @@ class Case:
     message: str
 
 
+def _request_past_the_pool(request) -> None:
+    model = request.getfixturevalue("model")
+    block = kv_row_bytes(model.spec, model.dtype, 4)
+    Engine(model, max_num_seqs=2, kv_cache_memory=5 * block, prefix_cache_bytes=0).submit([7] * 20, PARAMS)
+
+
 def _budget(model_fixture: str, **fields) -> Callable:
     def run(request) -> None:
         Engine(request.getfixturevalue(model_fixture), max_num_seqs=4, **fields)
@@ -257,14 +264,15 @@ def _budget(model_fixture: str, **fields) -> Callable:
 
 def _fraction(request) -> None:
     request.getfixturevalue("monkeypatch").setattr(dinfer_rt.engine, "available_memory", lambda device: 1_000_000)
-    Engine(request.getfixturevalue("model"), kv_cache_memory_fraction=0.001)
+    Engine(request.getfixturevalue("model"), kv_cache_memory_fraction=0.001, kv_block_size=0)
 
 
 def _serve(request) -> None:
     from dinfer_rt.cli import main
 
     capsys = request.getfixturevalue("capsys")
-    assert main(["serve", "--port", "0", "--shutdown-after-s", "20", "--kv-cache-memory", "1KiB"]) == 2
+    argv = ["serve", "--port", "0", "--shutdown-after-s", "20", "--kv-cache-memory", "1KiB", "--kv-block-size", "0"]
+    assert main(argv) == 2
     raise DinferError(capsys.readouterr().err.strip().removeprefix("error: "))
 
 
@@ -294,8 +302,23 @@ def _replicas(request) -> None:
 
 CASES = [
     Case(
-        "kv:budget-below-one-row",
+        "kv:budget-below-two-blocks",
         _budget("model", kv_cache_memory=1024),
+        "the KV-cache budget of 1024 bytes (1.0 KiB; kv_cache_memory, --kv-cache-memory) holds no KV block: a paged "
+        "pool needs 2 blocks (one is the trash block) of 36864 bytes (36.0 KiB: blocks of 4 positions "
+        "(--kv-block-size) x 6 layers x K and V x 6 KV heads x head_dim 32 x 4 bytes (float32)); raise "
+        "--kv-cache-memory (or --kv-cache-memory-fraction) to at least 73728 bytes",
+    ),
+    Case(
+        "kv:request-past-the-pool",
+        _request_past_the_pool,
+        "prompt (20 tokens) + 40 generated = 60 tokens need 15 KV blocks of 4 positions (540.0 KiB, 552960 bytes) "
+        "but the whole KV pool holds 4 (144.0 KiB); raise --kv-cache-memory (or --kv-cache-memory-fraction), or "
+        "shorten the prompt or gen_length",
+    ),
+    Case(
+        "kv:budget-below-one-row",
+        _budget("model", kv_cache_memory=1024, kv_block_size=0),
         "the KV-cache budget of 1024 bytes (1.0 KiB; kv_cache_memory, --kv-cache-memory) holds no pool row: "
         "one row needs 599040 bytes (585.0 KiB: 65 positions (max_model_len 64 + 1 scratch) x 6 layers x K and V x "
         "6 KV heads x head_dim 32 x 4 bytes (float32)); raise --kv-cache-memory (or --kv-cache-memory-fraction) "

@@ -411,4 +411,8 @@ def make_kernels(
         "lm_head_confidence": lm_head_confidence,
         "linear_wq": linear_wq,
         "linear_gptq": linear_gptq,
+        # Paged KV: pure data movement, done by torch index ops (gather / index_put run on CUDA and
+        # ROCm as they are). Next step: a paged attention kernel reading the block table itself.
+        "kv_gather": ops.kv_gather,
+        "kv_scatter": ops.kv_scatter,
     }

@@ -11,6 +11,9 @@ plugs in. It never adopts an order with a higher simulated peak.
 
 Effects are explicit: an op that writes an input in place (``attention`` splicing the KV
 cache) gets an edge from every other reader of that input, so no read moves past the write.
+A paged layer's ``kv_gather`` reads only graph inputs, so it is ready from the start: it waits
+for its consumers' other inputs instead (``LATE_OPS``), else memory-min would run every layer's
+gather before a wide projection and keep all layers' scratch alive at once.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import torch
 from dinfer_rt.ir import Graph, Node, Value, op_def
 
 DEFAULT_BINDINGS = {"B": 1, "T": 64, "S": 64}
+LATE_OPS = ("kv_gather",)
+"""Ops that only copy graph inputs into fresh scratch: scheduled no earlier than the other inputs
+of the ops that read them, so the scratch lives from just before its use."""
 
 
 def nbytes(v: Value, bindings: dict[str, int]) -> int:
@@ -46,7 +52,27 @@ def dependencies(graph: Graph) -> list[set[int]]:
         for slot in op_def(n.op).mutates:
             if slot < len(n.inputs) and n.inputs[slot] is not None:
                 preds[i] |= {r for r in readers[id(n.inputs[slot])] if r != i}  # read before write
+    for i, n in enumerate(graph.nodes):
+        if n.op in LATE_OPS:
+            preds[i] |= _late_edges(graph, i, preds, readers)
     return preds
+
+
+def _late_edges(graph: Graph, i: int, preds: list[set[int]], readers: dict[int, list[int]]) -> set[int]:
+    """What node ``i``'s consumers wait for besides ``i``, less anything downstream of ``i`` (an
+    edge from there would be a cycle)."""
+    succs: dict[int, list[int]] = {}
+    for j, ps in enumerate(preds):
+        for p in ps:
+            succs.setdefault(p, []).append(j)
+    after, todo = {i}, [i]
+    while todo:
+        for j in succs.get(todo.pop(), ()):
+            if j not in after:
+                after.add(j)
+                todo.append(j)
+    consumers = {c for o in graph.nodes[i].outputs for c in readers.get(id(o), ())}
+    return {p for c in consumers for p in preds[c] if p not in after}
 
 
 def workspace_bytes(node: Node, bindings: dict[str, int]) -> int:

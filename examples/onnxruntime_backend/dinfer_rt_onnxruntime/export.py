@@ -17,6 +17,7 @@ OPSET = 18
 ONNX_DTYPES = {
     torch.float32: TensorProto.FLOAT,
     torch.int64: TensorProto.INT64,
+    torch.int32: TensorProto.INT32,
     torch.bool: TensorProto.BOOL,
     torch.float64: TensorProto.DOUBLE,
     torch.float16: TensorProto.FLOAT16,
@@ -171,6 +172,41 @@ def _attention(b, ins, node):
     return [out, *outs]
 
 
+def _kv_gather(b, ins, node):
+    """pool[table] -> [B, NBT * P, KV, D], then its first S positions (S from key_valid)."""
+    k_pool, v_pool, table, key_valid = ins
+    kv, hd = node.inputs[0].type.shape[2:]
+    s = b.emit("Shape", [key_valid], start=1, end=2)
+    outs = []
+    for pool in (k_pool, v_pool):
+        flat = b.emit("Reshape", [b.emit("Gather", [pool, table], axis=0), b.const([0, -1, kv, hd])])
+        outs.append(b.emit("Slice", [flat, b.const([0]), s, b.const([1])]))
+    return outs
+
+
+def _kv_scatter(b, ins, node):
+    """pool[table[b, p // P], p % P] = cache[b, p] for the slots p of token_index ([T] or [B, T])."""
+    k_pool, v_pool, table, token_index, k_cache, v_cache = ins
+    slots = token_index
+    if node.inputs[3].type.rank == 1:  # the same slots in every row
+        shape = b.emit("Concat", [b.emit("Shape", [table], end=1), b.emit("Shape", [token_index])], axis=0)
+        slots = b.emit("Expand", [b.emit("Unsqueeze", [token_index, b.const([0])]), shape])
+    rows = b.emit("Range", [b.const(0), b.emit("Squeeze", [b.emit("Shape", [slots], end=1), b.const([0])]), b.const(1)])
+    rows = b.emit("Expand", [b.emit("Unsqueeze", [rows, b.const([1])]), b.emit("Shape", [slots])])
+    p = b.emit("Shape", [k_pool], start=1, end=2)
+
+    def pairs(x: str, y: str) -> str:
+        return b.emit("Concat", [b.emit("Unsqueeze", [t, b.const([-1])]) for t in (x, y)], axis=-1)
+
+    table64 = b.emit("Cast", [table], to=TensorProto.INT64)
+    blocks = b.emit("GatherND", [table64, pairs(rows, b.emit("Div", [slots, p]))])
+    where = pairs(blocks, b.emit("Mod", [slots, p]))
+    return [
+        b.emit("ScatterND", [pool, where, b.emit("GatherND", [cache, pairs(rows, slots)])])
+        for pool, cache in ((k_pool, k_cache), (v_pool, v_cache))
+    ]
+
+
 def _topk(b, x: str, k: int):
     return b.emit("TopK", [x, b.const([k])], n_out=2, axis=-1)
 
@@ -258,6 +294,8 @@ CONVERTERS = {
     "split": _split,
     "rope": _rope,
     "attention": _attention,
+    "kv_gather": _kv_gather,
+    "kv_scatter": _kv_scatter,
     "router_softmax_topk": _router_softmax_topk,
     "router_sigmoid_grouped": _router_sigmoid_grouped,
     "moe_experts": _moe_experts,
