@@ -6,14 +6,14 @@ Two parts.
    would take for real model shapes, with rows of ``max_model_len`` for every ``--max-num-seqs``
    row (contiguous) against the blocks a workload's requests actually hold (paged), and how
    many of those requests the paged default (half the free memory after the weights) admits.
-2. Measured on this machine: one random LLaDA-layout checkpoint of length 1024, 32 requests
+2. Measured on this machine: one random LLaDA-layout checkpoint of length 1024, 64 requests
    (48-token prompts, 64 generated) submitted at once to an engine under one fixed KV budget
    (4 rows at the full length). Contiguous rows decode 4 at a time; the paged pool admits by
    free blocks, so up to ``max_num_seqs`` (16) at a time. Also both layouts without a budget
    (16 rows each): what the per-layer gather costs. Medians of ``--repeats`` runs, outputs
    compared (identical ids required).
 
-    python benchmarks/kv_pool_bench.py --repeats 3 --out benchmarks/results
+    python benchmarks/kv_pool_bench.py --repeats 5 --requests 64 --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -175,8 +175,8 @@ def report(arith: list[dict], meas: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     a = ap.parse_args()
     arith = arithmetic()
