@@ -167,8 +167,9 @@ def report(arith: list[dict], meas: dict) -> str:
     lines += [
         "",
         f"Same budget, paged / contiguous: {cases[names[1]]['tok_s'] / cases[names[0]]['tok_s']:.2f}x output tok/s. "
-        f"No budget, paged / contiguous: {cases[names[3]]['tok_s'] / cases[names[2]]['tok_s']:.2f}x (the per-layer "
-        f"gather's cost). Identical outputs in every case: {'yes' if meas['identical_outputs'] else 'NO'}.",
+        f"No budget, paged / contiguous: {cases[names[3]]['tok_s'] / cases[names[2]]['tok_s']:.2f}x (the same rows: "
+        "a per-layer gather into contiguous scratch against attention over strided pool rows in place). "
+        f"Identical outputs in every case: {'yes' if meas['identical_outputs'] else 'NO'}.",
     ]
     return "\n".join(lines) + "\n"
 
