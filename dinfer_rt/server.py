@@ -350,6 +350,13 @@ class Metrics:
             "dinfer_kv_pool_rows", "rows decoding at once: --max-num-seqs, or what --kv-cache-memory holds", registry=r
         )
         self.kv_pool_bytes = pc.Gauge("dinfer_kv_pool_bytes", "bytes of the engine's KV-cache pool", registry=r)
+        # the paged pool's blocks (an in-process engine; 0 with contiguous rows or engines elsewhere)
+        self.kv_blocks = pc.Gauge(
+            "dinfer_kv_blocks", "blocks of the paged KV pool (the trash block not counted)", registry=r
+        )
+        self.kv_blocks_used = pc.Gauge(
+            "dinfer_kv_blocks_used", "paged KV blocks held by running requests or the prefix cache", registry=r
+        )
         self._prefix_lock = threading.Lock()  # read from the engine thread and from /metrics
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, committed, rows)
         self._window_tokens = self._window_rows = 0  # sums of _recent's committed and rows
@@ -392,6 +399,9 @@ class Metrics:
         )
         self.read_prefix_cache(engine)
         self.read_graphs(engine)
+        blocks = getattr(engine, "blocks", None)
+        if blocks is not None:
+            self.kv_blocks_used.set(blocks.used)
         # the rates over the last 5 s: running sums over the window (a step adds, an old one leaves)
         running = engine.num_running
         self._recent.append((now, committed, running))
@@ -558,6 +568,8 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
     metrics.read_graphs(engine)  # the warm-up's captures, before the first step
     if isinstance(engine, Engine):
         metrics.kv_pool_rows.set(engine.max_num_seqs)
+        if engine.blocks is not None:
+            metrics.kv_blocks.set(engine.blocks.usable)
         metrics.kv_pool_bytes.set(engine.kv_pool_bytes)
     elif hasattr(engine, "kv_pool_rows"):  # replicas / --engine-process: what their engines reported
         metrics.kv_pool_rows.set(engine.kv_pool_rows)

@@ -348,3 +348,51 @@ def test_a_running_request_s_blocks_survive_eviction_pressure(models):
     assert all(engine.blocks.refs[b] >= 1 for b in mine)  # still cached (the only holder left)
     cold = Engine(model, max_num_seqs=2, block_length=LB, prefix_cache_bytes=0)
     assert long.output_ids == _run(cold, [SYSTEM], params)[0]
+
+
+# ------------------------------------------------------------------------------ served
+
+
+def test_serve_on_a_paged_budget_answers_concurrent_requests_as_offline_and_reports_its_blocks():
+    """``serve --kv-cache-memory`` of 20 blocks (less than two contiguous rows of the embedded model):
+    the start-up line describes the paged pool, ``/metrics`` its blocks, four concurrent chats are
+    answered as ``LLM.generate`` answers them, and at the end only the prefix cache holds blocks
+    (none here: the embedded model is bidirectional)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    import openai
+
+    from dinfer_rt.demo import task
+    from dinfer_rt.llm import LLM
+    from dinfer_rt.testing.serving import ServerProcess
+
+    root = Path(__file__).resolve().parents[1]
+    llm = LLM()
+    block = kv_row_bytes(llm.model.spec, llm.model.dtype, 4)
+    s = ServerProcess(
+        "--strategy", "threshold", "--block-length", "8", "--gen-length", "16", "--max-num-seqs", "8",
+        "--kv-cache-memory", str(21 * block), cwd=root,
+    )  # fmt: skip
+    params = SamplingParams(strategy="threshold", block_length=8, gen_length=16)
+    try:
+        assert s.metric("dinfer_kv_blocks") == 20 and s.metric("dinfer_kv_pool_rows") == 8
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        items = task.heldout(4)
+
+        def ask(letters: str) -> str:
+            r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": letters}])
+            return r.choices[0].message.content
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(ask, [item.letters for item in items]))
+        for item, got in zip(items, answers):
+            assert got == llm.generate([item.letters], params)[0].text, item.letters
+        assert s.metric("dinfer_kv_blocks_used") == 0
+        s.proc.terminate()
+        s.proc.wait(timeout=60)
+        log = s.proc.stdout.read()
+        assert "dinfer-rt KV pool: paged, 20 blocks of 4 positions" in log, log[-2000:]
+    finally:
+        s.stop()
