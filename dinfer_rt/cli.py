@@ -911,8 +911,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_int_in(0),
         default=None,
         metavar="N",
-        help="positions per KV block of the paged pool (default 4; also the prefix cache's reuse granularity); "
-        "0: contiguous rows of --max-model-len positions, preallocated for every --max-num-seqs row",
+        help="positions per KV block of the paged pool (default 4; at most --max-model-len + 1): a request takes "
+        "the blocks of its own length, the prefix cache shares them; 0: contiguous rows of --max-model-len "
+        "positions, preallocated for every --max-num-seqs row",
     )
     _add_run_args(sv, parallel=False)
     sv.set_defaults(func=cmd_serve)

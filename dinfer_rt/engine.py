@@ -262,6 +262,8 @@ class Engine:
         self.kv_bytes_per_position = self.kv_plan.row_bytes // self.kv_plan.positions
         self.paged = self.kv_plan.paged
         self.blocks: KVBlocks | None = None  # paged: which blocks each row holds
+        # paged: the prefix-cache hit ``_fits`` kept room for, taken by ``_prefix_lookup``
+        self._admission_plan: tuple[list[CachedBlock], int] | None = None
         if self.paged:
             plan = self.kv_plan
             k, v = model.new_paged_pool(plan.num_blocks, plan.block_size)
@@ -338,6 +340,16 @@ class Engine:
             raise GenerationError("stop: stop strings need the model's tokenizer (loaded without one)")
         reqs = [Request(f"req-{next(self._ids)}", list(p), params, params.gen_length) for p in prompts]
         groups = batch_groups(cohort, prompts)
+        if self.paged:  # a batch runs as one cohort per group: each must fit the whole pool at once
+            for rows in groups:
+                n = max(len(prompts[i]) for i in rows) + params.gen_length
+                need = len(rows) * blocks_for(n, self.blocks.block_size)
+                if need > self.blocks.usable:
+                    raise GenerationError(
+                        f"a batch of {len(rows)} prompts of up to {n} positions needs {need} KV blocks of "
+                        f"{self.blocks.block_size} positions at once, the whole KV pool holds {self.blocks.usable}; "
+                        "raise --kv-cache-memory, or submit fewer prompts together"
+                    )
         if len(groups) == 1:
             cohort.stop = stop
             self._queue(reqs, cohort)
@@ -362,13 +374,13 @@ class Engine:
             return None
         if not spec.block_causal and args.prefix_cache != "approximate":
             return None
-        size = default_budget(self.model.backend.device()) if budget is None else budget
-        if self.paged:  # its blocks are the pool's: it never holds more than the pool
+        if self.paged:  # its blocks are the pool's: they cost nothing more, and it never holds more than the pool
             plan = self.kv_plan
-            size = min(size, plan.nbytes)
+            size = plan.nbytes if budget is None else min(budget, plan.nbytes)
             return PrefixCache(
                 size, approximate=not spec.block_causal, blocks=self.blocks, block_bytes=plan.block_bytes
             )
+        size = default_budget(self.model.backend.device()) if budget is None else budget
         return PrefixCache(size, approximate=not spec.block_causal)
 
     @property
@@ -464,12 +476,21 @@ class Engine:
         if not self._prefix_reuses(cohort):
             return
         req, lb = cohort.requests[0], self._prefix_block(cohort)
-        chain, hit = self.prefix_cache.lookup(req.prompt, lb, self._prefix_span(cohort) // lb)
-        self._prefix_held[cohort] = chain
+        span = self._prefix_span(cohort)
         if self.paged:  # the row's table points at the cached blocks: nothing is copied
-            self.blocks.allocate(cohort.start_row, cohort.n, shared=[node.pool_block for node in chain])
+            chain, hit = self._admission_plan if self._admission_plan is not None else self._plan(cohort)
+            self._admission_plan = None
+            self._prefix_held[cohort] = self.prefix_cache.take(chain, hit, span // lb * lb)
+            row = cohort.start_row
+            self.blocks.allocate(row, cohort.n, shared=[node.pool_block for node in chain])
+            # a hit ending inside a pool block: that block is copied now, while the admission's
+            # count of free blocks still holds (the first forward writes the rest of it)
+            self.runner.copy_blocks(self.blocks.writable(row, hit))
             cohort.cached_prefix = req.cached_tokens = hit
-        elif chain:
+            return
+        chain, hit = self.prefix_cache.lookup(req.prompt, lb, span // lb)
+        self._prefix_held[cohort] = chain
+        if chain:
             cohort.cached_prefix = req.cached_tokens = PrefixCache.copy_into(chain, self.cache, cohort.start_row)
 
     def _prefix_siblings(self, cohort: Cohort, room: int) -> int:
@@ -540,7 +561,10 @@ class Engine:
             blocks.mark_shared(row, units)
             return chain
         have = len(self.prefix_cache.match(tokens, lb, units))  # cached already: nothing to copy
-        fresh = [blocks.take() for _ in range(min(units - have, blocks.free))]
+        with self._lock:  # what the request waiting first needs stays free
+            head = self.waiting[0][0].cohort if self.waiting else None
+        spare = blocks.free - (0 if head is None else head.b * blocks_for(head.n, blocks.block_size))
+        fresh = [blocks.take() for _ in range(max(0, min(units - have, spare)))]
         self.runner.copy_blocks(list(zip(own[have:], fresh)))
         existing = [node.pool_block for node in self.prefix_cache.match(tokens, lb, have)]
         try:
@@ -1059,19 +1083,32 @@ class Engine:
         finally:
             self.prefix_cache.release(keep)
 
+    def _plan(self, cohort: Cohort) -> tuple[list[CachedBlock], int]:
+        """A lone row's prefix-cache hit as the cache holds it now: the entries and the positions."""
+        lb, size = self._prefix_block(cohort), self.blocks.block_size
+        chain = self.prefix_cache.match(cohort.requests[0].prompt, lb, self._prefix_span(cohort) // size)
+        return self.prefix_cache.cut(chain, lb)
+
     def _fits(self, cohort: Cohort) -> bool:
-        """Paged admission: whether the cohort's fresh blocks are free (or can be freed). A lone row
-        that will hit the prefix cache needs fewer: its whole cached blocks are referenced (a block
-        its hit ends inside is copied on its first write, so it still counts)."""
+        """Paged admission: whether the cohort's blocks are free (or can be freed by evicting
+        prefix-cache blocks nobody holds). A lone row with a prefix-cache hit needs fewer: its
+        whole cached blocks are referenced (a block its hit ends inside is copied at admission, so
+        it still counts). Where the whole hit cannot be kept, shorter ones are tried, down to
+        none: a request that fits the pool is never kept waiting by its own hit. The hit chosen is
+        the one ``_prefix_lookup`` takes (``_admission_plan``)."""
         size = self.blocks.block_size
-        need, keep = cohort.b * blocks_for(cohort.n, size), []
-        if self.prefix_cache is not None and self._prefix_reuses(cohort):
-            lb = self._prefix_block(cohort)
-            keep = self.prefix_cache.match(cohort.requests[0].prompt, lb, self._prefix_span(cohort) // size)
-            hit = len(keep) * size // lb * lb
-            keep = keep[: -(-hit // size)]
-            need -= hit // size
-        return self._blocks_free(need, keep)
+        total = cohort.b * blocks_for(cohort.n, size)
+        self._admission_plan = None
+        if self.prefix_cache is None or not self._prefix_reuses(cohort):
+            return self._blocks_free(total)
+        chain, hit = self._plan(cohort)
+        lb = self._prefix_block(cohort)
+        for upto in range(hit, -1, -lb):
+            keep, got = self.prefix_cache.cut(chain, lb, upto)
+            if self._blocks_free(total - got // size, keep):
+                self._admission_plan = (keep, got)
+                return True
+        return False
 
     def _run_paged(self, inputs: ForwardInputs):
         return self._inner_runner(self._with_blocks(inputs))
@@ -1085,7 +1122,7 @@ class Engine:
         blocks = self.blocks
         if any(blocks.shared[a : a + b]):
             pairs = []
-            for i, first in enumerate(_first_writes(inputs, b)):
+            for i, first in enumerate(_first_writes(inputs, b, self.model.spec.shift_logits)):
                 shared = blocks.shared[a + i] - first // blocks.block_size
                 if shared > 0:
                     self._blocks_free(shared)  # best effort: writable names the shortage if any is left
@@ -1137,14 +1174,16 @@ class Engine:
                 return
 
 
-def _first_writes(inputs: ForwardInputs, rows: int) -> list[int]:
+def _first_writes(inputs: ForwardInputs, rows: int, shift: bool) -> list[int]:
     """The first position each row of a cached forward writes: per-row windows' smallest slot
     (their padding queries write a slot past every real one), a lockstep window's first computed
-    position (0 when it computes everything, or where it lives on a device: assume the worst)."""
+    position, one earlier for a shifted-logits family (``shift``: Dream's forward also runs the
+    position before each one it predicts, ``Model._inputs``); 0 when it computes everything, or
+    where the window lives on a device (assume the worst)."""
     if inputs.rows is not None:
         return inputs.rows.token_index.min(dim=1).values.tolist()
     c = inputs.compute
-    first = 0 if c is None or c.device.type != "cpu" or not len(c) else int(c.min())
+    first = 0 if c is None or c.device.type != "cpu" or not len(c) else max(0, int(c.min()) - int(shift))
     return [first] * rows
 
 

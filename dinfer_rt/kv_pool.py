@@ -180,6 +180,12 @@ def _paged_plan(spec, dtype, args: EngineArgs, max_model_len: int, positions: in
     fewer under a budget, or without one, ``DEFAULT_KV_FRACTION`` of ``free`` where that is known.
     Rows are table rows (cheap): ``max_num_seqs`` of them always."""
     size = args.kv_block_size
+    if size > positions:
+        raise GenerationError(
+            f"kv_block_size {size} (--kv-block-size) exceeds the {positions} positions of a row (max_model_len "
+            f"{max_model_len} + 1 scratch): a block never holds more than one request's positions, so the rest "
+            f"of it would be memory no request uses; use at most {positions}, or 0 for contiguous rows"
+        )
     block = kv_row_bytes(spec, dtype, size, kv_heads)
     kv = spec.n_kv_heads if kv_heads is None else kv_heads
     item = torch.empty((), dtype=dtype).element_size()
@@ -190,8 +196,14 @@ def _paged_plan(spec, dtype, args: EngineArgs, max_model_len: int, positions: in
     full = args.max_num_seqs * blocks_for(max_model_len, size) + 1
     budget = kv_budget(args, free)
     if budget is None:
-        cap = full if free is None else max(2, int(free * DEFAULT_KV_FRACTION) // block)
-        num = min(full, cap)
+        num = full if free is None else min(full, int(free * DEFAULT_KV_FRACTION) // block)
+        if num < 2:
+            raise GenerationError(
+                f"the KV pool's default share of the free memory ({DEFAULT_KV_FRACTION} x {free} bytes, "
+                f"{format_bytes(free)}) holds {max(num - 1, 0)} KV blocks of {block} bytes ({format_bytes(block)}: "
+                f"{shape}) besides the trash block; a paged pool needs 2: give --kv-cache-memory, or lower "
+                "--kv-block-size"
+            )
     else:
         num = min(full, budget // block)
         if num < 2:
@@ -200,11 +212,14 @@ def _paged_plan(spec, dtype, args: EngineArgs, max_model_len: int, positions: in
                 fraction = args.kv_cache_memory_fraction
                 source = f"kv_cache_memory_fraction {fraction} (--kv-cache-memory-fraction) of {free} bytes free"
             raise GenerationError(
-                f"the KV-cache budget of {budget} bytes ({format_bytes(budget)}; {source}) holds no KV block: a "
-                f"paged pool needs 2 blocks (one is the trash block) of {block} bytes ({format_bytes(block)}: "
+                f"the KV-cache budget of {budget} bytes ({format_bytes(budget)}; {source}) holds {num} KV block"
+                f"{'' if num == 1 else 's'}: a paged pool needs 2 blocks (one is the trash block) of {block} bytes "
+                f"({format_bytes(block)}: "
                 f"{shape}); raise --kv-cache-memory (or --kv-cache-memory-fraction) to at least {2 * block} bytes"
             )
+    # a request holds at least one block: more rows than usable blocks would never all run
+    rows = min(args.max_num_seqs, num - 1)
     return KVPoolPlan(
-        row, positions, args.max_num_seqs, pool_rows(args, graphs), budget, shape,
+        row, positions, rows, pool_rows(dataclasses.replace(args, max_num_seqs=rows), graphs), budget, shape,
         block_size=size, num_blocks=num, block_bytes=block,
     )  # fmt: skip

@@ -86,7 +86,22 @@ class PagedKV:
 
 
 def _check_paged(cache: PagedKV, batch: int, length: int, where: str) -> None:
-    """A clear error for a block table or length the paged graph cannot use."""
+    """A clear error for pools, a block table or a length the paged graph cannot use."""
+    if (
+        not cache.k
+        or len(cache.k) != len(cache.v)
+        or not all(isinstance(x, torch.Tensor) for x in (*cache.k, *cache.v))
+    ):
+        raise GenerationError(
+            f"{where}: paged KV needs one K and one V pool tensor per layer, got {len(cache.k)} and {len(cache.v)}"
+        )
+    if any(x.dim() != 4 for x in (*cache.k, *cache.v)):
+        shapes = sorted({tuple(x.shape) for x in (*cache.k, *cache.v)})
+        raise GenerationError(f"{where}: paged KV pools must be [blocks, positions, kv_heads, head_dim], got {shapes}")
+    if not isinstance(cache.table, torch.Tensor):
+        raise GenerationError(
+            f"{where}: block table must be an int32 [B, NBT] tensor, got {type(cache.table).__name__}"
+        )
     t, p, nb = cache.table, cache.block_size, cache.k[0].shape[0]
     if t.dim() != 2 or t.dtype not in (torch.int32, torch.int64):
         raise GenerationError(
@@ -298,6 +313,10 @@ class Model:
 
     def _bind_cache(self, inputs: dict[str, torch.Tensor], cache: KVCache | PagedKV) -> None:
         """Add the cache's per-layer tensors (and a paged cache's block table) to ``inputs``."""
+        if len(cache.k) != self.spec.n_layers or len(cache.v) != self.spec.n_layers:
+            raise GenerationError(
+                f"the KV cache has {len(cache.k)} K and {len(cache.v)} V tensors, the model {self.spec.n_layers} layers"
+            )
         for i in range(self.spec.n_layers):
             inputs[f"k_cache.{i}"], inputs[f"v_cache.{i}"] = cache.k[i], cache.v[i]
         if isinstance(cache, PagedKV):

@@ -65,6 +65,17 @@ def block_key(parent: bytes, block_length: int, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def entry_ids(tokens: Sequence[int], index: int, unit: int, block_length: int) -> tuple[int, ...] | None:
+    """The ids entry ``index`` (positions ``[index * unit, (index + 1) * unit)``) is keyed by: its
+    own, and on to the end of the block of ``block_length`` its last position lies in. Within a
+    block attention runs both ways, so a paged entry's K/V depend on the whole block, not only on
+    the positions it holds (with ``unit`` == ``block_length``: its own ids). None past ``tokens``."""
+    start = index * unit
+    stop = -(-(start + unit) // block_length) * block_length
+    ids = tuple(int(t) for t in tokens[start:stop])
+    return ids if len(ids) == stop - start else None
+
+
 @dataclass(eq=False)
 class CachedBlock:
     """One block's K/V (per layer, [block_length, kv_heads, head_dim]; paged: ``pool_block``, the
@@ -72,7 +83,7 @@ class CachedBlock:
 
     key: bytes
     parent: CachedBlock | None
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...]  # the ids it is keyed by (``entry_ids``: paged, on to its block's end)
     start: int  # its first position (blocks align to position 0)
     k: list[torch.Tensor]
     v: list[torch.Tensor]
@@ -139,8 +150,8 @@ class PrefixCache:
         parent_key, parent = _ROOT, None
         unit = self.unit or block_length
         for b in range(max_blocks):
-            ids = tuple(tokens[b * unit : (b + 1) * unit])
-            if len(ids) < unit:
+            ids = entry_ids(tokens, b, unit, block_length)
+            if ids is None:
                 break
             node = self._blocks.get(block_key(parent_key, block_length, ids))
             if node is None or node.tokens != ids or node.parent is not parent or node.start != b * unit:
@@ -155,14 +166,26 @@ class PrefixCache:
         them when the request ends) and made most recently used. Returns the entries covering the
         hit (paged: the last one may reach past it) and the positions hit."""
         unit = self.unit or block_length
-        chain = self.match(tokens, block_length, max_blocks * block_length // unit)
+        chain, hit = self.cut(self.match(tokens, block_length, max_blocks * block_length // unit), block_length)
+        return self.take(chain, hit, max_blocks * block_length), hit
+
+    def cut(self, chain: list[CachedBlock], block_length: int, upto: int | None = None) -> tuple[list, int]:
+        """A matched chain cut to whole blocks (at most ``upto`` positions): the entries covering
+        the hit (paged: the last may reach past it) and the positions hit."""
+        unit = self.unit or block_length
         hit = len(chain) * unit // block_length * block_length
-        chain = chain[: -(-hit // unit)]
+        if upto is not None:
+            hit = min(hit, upto // block_length * block_length)
+        return chain[: -(-hit // unit)], hit
+
+    def take(self, chain: list[CachedBlock], hit: int, query_tokens: int) -> list[CachedBlock]:
+        """Count a lookup of ``query_tokens`` positions that hit ``hit`` through ``chain`` and hold
+        its entries (``release`` them when the request ends), most recently used now."""
         self.stats.queries += 1
-        self.stats.query_tokens += max_blocks * block_length
+        self.stats.query_tokens += query_tokens
         self.stats.hit_tokens += hit
         self.acquire(chain)
-        return chain, hit
+        return chain
 
     def acquire(self, chain: list[CachedBlock]) -> None:
         for node in chain:
@@ -195,15 +218,21 @@ class PrefixCache:
         assert self.blocks is not None, "insert_blocks needs a paged cache"
         unit, chain = self.blocks.block_size, []
         parent_key, parent = _ROOT, None
+        made = False  # the previous entry is this call's
         try:
             for b, blk in enumerate(row_blocks):
-                ids = tuple(int(t) for t in tokens[b * unit : (b + 1) * unit])
-                if len(ids) < unit:
+                ids = entry_ids(tokens, b, unit, block_length)
+                if ids is None:
                     break
                 key = block_key(parent_key, block_length, ids)
                 node = self._blocks.get(key)
                 if node is not None and (node.tokens != ids or node.parent is not parent):
                     break  # a hash collision: keep the entry there, cache nothing past it
+                if node is None and not made and b * unit % block_length:
+                    # inside a block whose leading entries another request cached: its K/V would
+                    # be spliced from two requests' forwards (approximate: two different states)
+                    break
+                made = node is None
                 if node is None:
                     if not self._make_room(self.block_bytes):
                         break
@@ -243,13 +272,6 @@ class PrefixCache:
                 return False
             self._evict(victim)
         return True
-
-    def evictable(self) -> int:
-        """Paged: pool blocks that :meth:`evict_for` could free now (entries nothing holds whose
-        block only the cache references; parents count, their children go first)."""
-        if self.blocks is None:
-            return 0
-        return sum(1 for n in self._blocks.values() if n.refs == 0 and self.blocks.refs[n.pool_block] == 1)
 
     def insert(
         self, tokens: Sequence[int], block_length: int, num_blocks: int, pool: KVCache, row: int

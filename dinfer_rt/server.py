@@ -562,6 +562,11 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
         graphs = model.backend.replays_graphs() and config.engine_args.get("graphs") is not False
         check_pool(model.spec, model.dtype, model.backend.device(), config, graphs=graphs)
     engine = Engine(model, **engine_kwargs(config, defaults)) if isinstance(model, Model) else model
+    if isinstance(engine, Engine) and engine.paged:  # a pool too small for any default request: say so now
+        try:
+            engine.check_request([0], defaults.for_model(model.spec), None)
+        except GenerationError as e:
+            raise DinferError(f"serve: every request would be refused with these defaults: {e}") from None
     if getattr(engine, "graphs", False):  # device graphs: each batch-size bucket captured before serving
         engine.capture_graphs(defaults)
     metrics = Metrics()

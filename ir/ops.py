@@ -455,6 +455,9 @@ def _infer_kv_gather(ts, attrs):
         "kv_gather",
         f"key_valid must be bool [B, S] with the block table's rows, got {key_valid} for table {table}",
     )
+    nbt, size, length = table.shape[1], k_pool.shape[1], key_valid.shape[1]
+    if all(isinstance(d, int) for d in (nbt, size, length)):
+        _need(nbt * size >= length, "kv_gather", f"a block table of {nbt} x {size} positions covers < {length} keys")
     out = TensorType((key_valid.shape[0], key_valid.shape[1], *k_pool.shape[2:]), k_pool.dtype)
     return [out, out]
 
@@ -495,7 +498,7 @@ def _infer_kv_scatter(ts, attrs):
     k_pool, v_pool, table, token_index, k_cache, v_cache = ts
     _infer_kv_pools("kv_scatter", k_pool, v_pool, table)
     _need(
-        token_index.rank in (1, 2) and not token_index.is_float,
+        token_index.rank in (1, 2) and not token_index.is_float and token_index.dtype != torch.bool,
         "kv_scatter",
         f"token_index must be integer [T] or [B, T], got {token_index}",
     )

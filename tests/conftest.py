@@ -38,6 +38,7 @@ def ckpt_dir(tmp_path_factory):
             p, d=40, heads=5, head_dim=8, experts=5, top_k=3, layers=3, shards=2, seed=10
         ),
         "llada2": lambda p: checkpoints.llada2(p),
+        "sdar": lambda p: checkpoints.sdar(p),
         "llada2_sharded": lambda p: checkpoints.llada2(
             p, heads=8, kv_heads=1, head_dim=12, shards=2, partial=1.0, seed=9
         ),

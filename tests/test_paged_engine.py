@@ -6,6 +6,7 @@ contiguous pool's and to ``LLM.generate``'s, whatever runs beside it."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -17,25 +18,15 @@ from dinfer_rt.errors import GenerationError
 from dinfer_rt.kv_blocks import TRASH, KVBlocks, blocks_for
 from dinfer_rt.kv_pool import DEFAULT_KV_FRACTION, kv_row_bytes
 from dinfer_rt.sampling import SamplingParams
-from dinfer_rt.testing import checkpoints
 
 LB = 4
 SYSTEM = [7, 19, 8, 30, 9, 41, 10, 52, 11, 23, 12, 34, 13, 45]  # 14 tokens
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    made: dict = {}
-    writers = {
-        "sdar": checkpoints.sdar, "llada2": checkpoints.llada2, "llada": checkpoints.llada, "dream": checkpoints.dream,
-    }  # fmt: skip
-
-    def get(name: str):
-        if name not in made:
-            made[name] = dinfer_rt.load_model(writers[name](tmp_path_factory.mktemp(name)), backend="cpu")
-        return made[name]
-
-    return get
+def models(ckpt_dir):
+    """name -> the session's tiny checkpoint of that family, loaded once per module."""
+    return functools.cache(lambda name: dinfer_rt.load_model(ckpt_dir(name), backend="cpu"))
 
 
 def _params(**kw) -> SamplingParams:
@@ -125,7 +116,7 @@ def test_a_budget_buys_blocks_not_rows_and_the_default_never_preallocates_every_
     finally:
         engine_module.available_memory = original
     assert capped.kv_plan.num_blocks == int(free * DEFAULT_KV_FRACTION) // block == 20
-    with pytest.raises(GenerationError, match="holds no KV block: a paged pool needs 2 blocks"):
+    with pytest.raises(GenerationError, match="holds 1 KV block: a paged pool needs 2 blocks"):
         Engine(model, kv_cache_memory=block + 1)
 
 
@@ -396,3 +387,96 @@ def test_serve_on_a_paged_budget_answers_concurrent_requests_as_offline_and_repo
         assert "dinfer-rt KV pool: paged, 20 blocks of 4 positions" in log, log[-2000:]
     finally:
         s.stop()
+
+
+# ------------------------------------------------------------------------------ found in review
+
+
+def test_entries_are_keyed_to_the_end_of_their_block_when_blocks_are_longer_than_pool_blocks(models):
+    """Block length 8 on the default pool blocks of 4 (exact, block-causal): attention inside a
+    block runs both ways, so positions 0-3 depend on tokens 4-7 too. A request that shares only
+    tokens 0-3 must not leave entries a later request with other tokens 4-7 reuses: every hit
+    equals a cold run and its cached K/V equal a fresh prefill's."""
+    model = models("llada2")
+    lb, params = 8, _params(block_length=8, strategy="low_confidence")
+    rng = random.Random(0)
+    t = [rng.randrange(6, model.spec.vocab) for _ in range(17)]
+    a = t[:4] + [rng.randrange(6, model.spec.vocab) for _ in range(4)] + t[8:17]  # shares tokens 0-3 only
+    engine = Engine(model, max_num_seqs=1, block_length=lb)
+    cold = Engine(model, max_num_seqs=1, block_length=lb, prefix_cache_bytes=0)
+    got = _run(engine, [a, t, t], params, stagger=40)
+    assert got == _run(cold, [a, t, t], params, stagger=40)
+    chain = engine.prefix_cache.match(t, lb, 4)
+    fresh = model.new_cache(1, 16)
+    model.forward(torch.tensor([t[:16]]), cache=fresh, block_size=lb)
+    assert len(chain) == 4
+    for node in chain:
+        k, _ = engine.cached_kv(node)
+        for i in range(len(k)):
+            assert (k[i] - fresh.k[i][0, node.start : node.start + 4]).abs().max() < 1e-5, (node.start, i)
+
+
+def test_a_shifted_logits_hit_copies_the_block_its_forward_writes_before_the_hit(models):
+    """Dream (approximate): a forward computing from position c also runs c - 1 (its output
+    predicts c); that write into a shared block is copied first, so the cached block is unchanged."""
+    model = models("dream")
+    params = _params(cache="prefix", strategy="low_confidence")
+    base = [7, 19, 8, 30, 9, 41, 10, 52, 11, 23]
+    engine = Engine(model, max_num_seqs=1, prefix_cache="approximate")
+    _run(engine, [base + [20]], params)
+    chain = engine.prefix_cache.match(base, LB, 2)
+    before = [[t.clone() for t in engine.cached_kv(n)[0]] for n in chain]
+    req = engine.submit(base + [33, 34], params)
+    engine.run_until_idle()
+    assert req.cached_tokens == 8 and engine.blocks.copied_blocks >= 1
+    for node, snap in zip(chain, before):
+        assert all(torch.equal(a, b) for a, b in zip(engine.cached_kv(node)[0], snap))
+
+
+def test_a_request_that_fits_the_pool_exactly_is_admitted_with_a_shorter_hit_rather_than_waiting(models):
+    """Block length 6 on pool blocks of 8, 3 usable blocks: the second request needs all 3 and its
+    hit (6 positions) ends inside the cache's only block. Keeping that block would leave 2 free:
+    it is admitted without the hit instead (never waiting forever), with a cold run's output."""
+    model = models("sdar")
+    params = _params(block_length=6, gen_length=6)
+    block = kv_row_bytes(model.spec, model.dtype, 8)
+    engine = Engine(model, max_num_seqs=2, block_length=6, kv_block_size=8, kv_cache_memory=4 * block)
+    base = [7, 19, 8, 30, 9, 41, 10, 52, 11, 23, 12, 34]
+    _run(engine, [base + [13, 14, 15, 16, 17]], params)  # 23 positions: 3 blocks
+    assert engine.blocks.usable == 3 and engine.prefix_cache.stats.blocks >= 1
+    req = engine.submit(base + [44, 45, 46, 47, 48], params)
+    for _ in range(100):
+        engine.step()
+        if not engine.has_work():
+            break
+    assert req.finish_reason in ("stop", "length") and req.cached_tokens == 0
+    cold = Engine(model, max_num_seqs=2, block_length=6, prefix_cache_bytes=0)
+    assert req.output_ids == _run(cold, [base + [44, 45, 46, 47, 48]], params)[0]
+
+
+def test_a_static_batch_larger_than_the_whole_pool_is_refused_naming_its_blocks(models):
+    model = models("llada")
+    engine = Engine(model, max_num_seqs=4, kv_cache_memory=9 * _block_bytes(model), prefix_cache_bytes=0)
+    with pytest.raises(GenerationError, match="a batch of 3 prompts of up to 16 positions needs 12 KV blocks"):
+        engine.submit_batch([[6] * 8, [7] * 8, [8] * 8], _params())
+    assert not engine.has_work()
+
+
+def test_rows_are_capped_by_the_blocks_and_a_block_longer_than_a_row_is_refused(models):
+    model = models("llada")
+    block = _block_bytes(model)
+    engine = Engine(model, max_num_seqs=10**6, kv_cache_memory=27 * block, prefix_cache_bytes=0)
+    assert engine.max_num_seqs == engine.kv_plan.rows == 26 and engine.blocks.table.shape[0] == 26
+    with pytest.raises(GenerationError, match=r"kv_block_size 1000 \(--kv-block-size\) exceeds the 41 positions"):
+        Engine(model, max_model_len=40, kv_block_size=1000)
+
+
+def test_serve_refuses_a_paged_pool_too_small_for_its_default_request(capsys):
+    from dinfer_rt.cli import main
+    from dinfer_rt.llm import LLM
+
+    block = _block_bytes(LLM().model)  # the embedded model: a default request (1 + 40 positions) needs 11
+    assert main(["serve", "--port", "0", "--shutdown-after-s", "20", "--kv-cache-memory", str(3 * block)]) == 2
+    err = capsys.readouterr().err
+    assert "serve: every request would be refused with these defaults: prompt (1 tokens) + 40 generated" in err, err
+    assert "need 11 KV blocks of 4 positions" in err and "the whole KV pool holds 2" in err, err

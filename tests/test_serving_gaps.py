@@ -304,7 +304,7 @@ CASES = [
     Case(
         "kv:budget-below-two-blocks",
         _budget("model", kv_cache_memory=1024),
-        "the KV-cache budget of 1024 bytes (1.0 KiB; kv_cache_memory, --kv-cache-memory) holds no KV block: a paged "
+        "the KV-cache budget of 1024 bytes (1.0 KiB; kv_cache_memory, --kv-cache-memory) holds 0 KV blocks: a paged "
         "pool needs 2 blocks (one is the trash block) of 36864 bytes (36.0 KiB: blocks of 4 positions "
         "(--kv-block-size) x 6 layers x K and V x 6 KV heads x head_dim 32 x 4 bytes (float32)); raise "
         "--kv-cache-memory (or --kv-cache-memory-fraction) to at least 73728 bytes",
