@@ -311,7 +311,7 @@ CASES = [
     ),
     Case(
         "serve-max-num-seqs-past-memory",
-        lambda env: _serve(env, "--max-num-seqs", "1000000000"),
+        lambda env: _serve(env, "--max-num-seqs", "1000000000", "--kv-block-size", "0"),  # contiguous rows
         "the KV pool would need",
     ),
     Case(
