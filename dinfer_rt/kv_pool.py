@@ -66,6 +66,17 @@ def kv_row_bytes(spec, dtype: torch.dtype, positions: int, kv_heads: int | None 
     return 2 * spec.n_layers * positions * kv * spec.head_dim * item
 
 
+def _made_of(spec, dtype: torch.dtype, kv_heads: int | None, positions: str) -> str:
+    """How a row's (or a block's) bytes are made, for messages: ``positions`` x layers x K and V x
+    KV heads x head_dim x the dtype's bytes."""
+    kv = spec.n_kv_heads if kv_heads is None else kv_heads
+    item = torch.empty((), dtype=dtype).element_size()
+    return (
+        f"{positions} x {spec.n_layers} layers x K and V x {kv} KV heads x head_dim {spec.head_dim} x {item} bytes "
+        f"({str(dtype).removeprefix('torch.')})"
+    )
+
+
 @dataclass(frozen=True)
 class KVPoolPlan:
     """The engine's KV pool before it is allocated (:func:`kv_pool_plan`): the engine allocates it,
@@ -143,13 +154,8 @@ def kv_pool_plan(
     whose padding would not fit runs eagerly). A budget below one row is an error naming both."""
     positions = max_model_len + int(scratch_slot)
     row = kv_row_bytes(spec, dtype, positions, kv_heads)
-    kv = spec.n_kv_heads if kv_heads is None else kv_heads
-    item = torch.empty((), dtype=dtype).element_size()
-    shape = (
-        f"{positions} positions (max_model_len {max_model_len}{' + 1 scratch' if scratch_slot else ''}) x "
-        f"{spec.n_layers} layers x K and V x {kv} KV heads x head_dim {spec.head_dim} x {item} bytes "
-        f"({str(dtype).removeprefix('torch.')})"
-    )
+    scratch = " + 1 scratch" if scratch_slot else ""
+    shape = _made_of(spec, dtype, kv_heads, f"{positions} positions (max_model_len {max_model_len}{scratch})")
     if args.kv_block_size:
         return _paged_plan(spec, dtype, args, max_model_len, positions, row, kv_heads, graphs, free)
     budget = kv_budget(args, free)
@@ -187,12 +193,7 @@ def _paged_plan(spec, dtype, args: EngineArgs, max_model_len: int, positions: in
             f"of it would be memory no request uses; use at most {positions}, or 0 for contiguous rows"
         )
     block = kv_row_bytes(spec, dtype, size, kv_heads)
-    kv = spec.n_kv_heads if kv_heads is None else kv_heads
-    item = torch.empty((), dtype=dtype).element_size()
-    shape = (
-        f"blocks of {size} positions (--kv-block-size) x {spec.n_layers} layers x K and V x {kv} KV heads x "
-        f"head_dim {spec.head_dim} x {item} bytes ({str(dtype).removeprefix('torch.')})"
-    )
+    shape = _made_of(spec, dtype, kv_heads, f"blocks of {size} positions (--kv-block-size)")
     full = args.max_num_seqs * blocks_for(max_model_len, size) + 1
     budget = kv_budget(args, free)
     if budget is None:

@@ -216,35 +216,14 @@ class PrefixCache:
         their K/V as :meth:`insert` says) by reference. An entry cached already keeps its own block
         (the row keeps its). Returns the chain held for the caller, as :meth:`insert`."""
         assert self.blocks is not None, "insert_blocks needs a paged cache"
-        unit, chain = self.blocks.block_size, []
-        parent_key, parent = _ROOT, None
-        made = False  # the previous entry is this call's
-        try:
-            for b, blk in enumerate(row_blocks):
-                ids = entry_ids(tokens, b, unit, block_length)
-                if ids is None:
-                    break
-                key = block_key(parent_key, block_length, ids)
-                node = self._blocks.get(key)
-                if node is not None and (node.tokens != ids or node.parent is not parent):
-                    break  # a hash collision: keep the entry there, cache nothing past it
-                if node is None and not made and b * unit % block_length:
-                    # inside a block whose leading entries another request cached: its K/V would
-                    # be spliced from two requests' forwards (approximate: two different states)
-                    break
-                made = node is None
-                if node is None:
-                    if not self._make_room(self.block_bytes):
-                        break
-                    self.blocks.ref(blk)
-                    node = self._new(key, parent, ids, b * unit, [], [], self.block_bytes, blk)
-                self.acquire([node])
-                chain.append(node)
-                parent_key, parent = key, node
-        except BaseException:
-            self.release(chain)
-            raise
-        return chain
+
+        def store(b: int) -> tuple[list, list, int, int] | None:
+            if not self._make_room(self.block_bytes):
+                return None
+            self.blocks.ref(row_blocks[b])
+            return [], [], self.block_bytes, row_blocks[b]
+
+        return self._insert(tokens, block_length, len(row_blocks), self.blocks.block_size, store)
 
     def _new(self, key, parent, ids, start, k, v, nbytes, pool_block=-1) -> CachedBlock:
         node = CachedBlock(key, parent, ids, start, k, v, nbytes, pool_block=pool_block)
@@ -281,26 +260,43 @@ class PrefixCache:
         Blocks already cached are only made recent. Stops early when the budget cannot make
         room (every other block held or a parent). Returns the chain now cached for them, held
         for the caller (``release`` it)."""
+
+        def store(b: int) -> tuple[list, list, int, int] | None:
+            a = b * block_length
+            k = [t[row, a : a + block_length].clone() for t in pool.k]
+            v = [t[row, a : a + block_length].clone() for t in pool.v]
+            nbytes = sum(t.numel() * t.element_size() for t in (*k, *v))
+            return (k, v, nbytes, -1) if self._make_room(nbytes) else None
+
+        return self._insert(tokens, block_length, num_blocks, block_length, store)
+
+    def _insert(self, tokens: Sequence[int], block_length: int, count: int, unit: int, store) -> list[CachedBlock]:
+        """The walk both inserts share: entries ``0..count-1`` of ``unit`` positions, each found or
+        made (``store(index)``: its K/V, bytes and pool block, or None when no room is left: the
+        walk stops). A hash collision stops it too, and so does a missing entry inside a block
+        whose leading entries another request cached (its K/V would be spliced from two
+        forwards). Each entry is held while the rest is inserted (room is never made from it)."""
         chain: list[CachedBlock] = []
         parent_key, parent = _ROOT, None
+        made = False  # the previous entry is this call's
         try:
-            for b in range(num_blocks):
-                ids = tuple(int(t) for t in tokens[b * block_length : (b + 1) * block_length])
-                if len(ids) < block_length:
+            for b in range(count):
+                ids = entry_ids(tokens, b, unit, block_length)
+                if ids is None:
                     break
                 key = block_key(parent_key, block_length, ids)
                 node = self._blocks.get(key)
                 if node is not None and (node.tokens != ids or node.parent is not parent):
                     break  # a hash collision: keep the entry there, cache nothing past it
+                if node is None and not made and b * unit % block_length:
+                    break
+                made = node is None
                 if node is None:
-                    a = b * block_length
-                    k = [t[row, a : a + block_length].clone() for t in pool.k]
-                    v = [t[row, a : a + block_length].clone() for t in pool.v]
-                    nbytes = sum(t.numel() * t.element_size() for t in (*k, *v))
-                    if not self._make_room(nbytes):
+                    stored = store(b)
+                    if stored is None:
                         break
-                    node = self._new(key, parent, ids, a, k, v, nbytes)
-                self.acquire([node])  # held while the rest is inserted (room is never made from it)
+                    node = self._new(key, parent, ids, b * unit, *stored)
+                self.acquire([node])
                 chain.append(node)
                 parent_key, parent = key, node
         except BaseException:
