@@ -317,7 +317,7 @@ def _prefix_cache_args(a: argparse.Namespace) -> dict:
     if mode == "approximate" and getattr(a, "tensor_parallel_size", 1) > 1:
         raise DinferError(
             "serve: --prefix-cache approximate is not supported with --tensor-parallel-size > 1 (each rank holds a "
-            "shard of the KV pool; no prefix cache runs there); drop one of them"
+            "shard of the KV pool; only the exact cache of a block-causal model runs there); drop one of them"
         )
     out = {} if a.prefix_cache_bytes is None else {"prefix_cache_bytes": a.prefix_cache_bytes}
     return out if mode is None else {**out, "prefix_cache": mode}

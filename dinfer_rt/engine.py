@@ -365,10 +365,14 @@ class Engine:
         """The block prefix cache. Exact on a block-causal model (a block's K/V depend only on it
         and the blocks before it) whose block outputs do not read the previous position (no
         shifted logits); approximate on a bidirectional one, only when asked (``prefix_cache``
-        "approximate"); none for a tensor-parallel group (its pool is sharded over its ranks).
-        ``prefix_cache_bytes`` 0 turns it off (``prefix_cache_summary`` says why there is none)."""
+        "approximate"). A tensor-parallel group gets the exact cache on its paged pool only (hits
+        and inserts are block-table entries, which travel with each forward's inputs, and a
+        copy-on-write reaches every rank): not the approximate one, nor one over contiguous rows,
+        whose copies would have to be sent to every rank. ``prefix_cache_bytes`` 0 turns it off
+        (``prefix_cache_summary`` says why there is none)."""
         spec, budget = self.model.spec, args.prefix_cache_bytes
-        if budget == 0 or type(self.runner) is not LocalRunner:
+        grouped = type(self.runner) is not LocalRunner
+        if budget == 0 or (grouped and not (self.paged and spec.block_causal)):
             return None
         if spec.block_causal and spec.shift_logits:
             return None
@@ -402,8 +406,11 @@ class Engine:
             return f"dinfer-rt prefix cache: exact (block-causal model: a hit decodes as cold), {size}"
         if self.args.prefix_cache_bytes == 0:
             why = "--no-prefix-cache / --prefix-cache-bytes 0"
-        elif type(self.runner) is not LocalRunner:
-            why = "tensor-parallel replicas (each rank holds a shard of the pool)"
+        elif type(self.runner) is not LocalRunner and not (self.paged and spec.block_causal):
+            why = (
+                "tensor-parallel replicas: only the exact cache of a block-causal model on the paged pool runs "
+                "there (--kv-block-size > 0)"
+            )
         elif spec.block_causal:
             why = "a block-causal family with shifted logits (a hit would not be exact)"
         else:

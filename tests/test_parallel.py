@@ -203,15 +203,36 @@ def _serve_in_steps(engine, prompts, params):
     return [r.output_ids for r in reqs]
 
 
-def _scheduler_on_rank_0(rank, world, prompts, params):
-    """Rank 0 runs the engine and decides; rank 1 only runs the forwards rank 0 sends."""
+def _prefix_cache_on_rank_0(model, group, prompts, params):
+    """A block-causal model's exact prefix cache on a tensor-parallel paged pool: each prompt twice
+    (the second hits the first's blocks), the answers and the hit tokens (rank 0's part)."""
+    from dinfer_rt.engine import Engine
+    from dinfer_rt.model_runner import LeadRunner
+
+    runner = LeadRunner(model, group, 0)
+    try:
+        engine = Engine(model, max_num_seqs=2, block_length=params.block_length, runner=runner)
+        out = []
+        for p in prompts + prompts:
+            req = engine.submit(p, params)
+            engine.run_until_idle()
+            out.append((req.output_ids, req.cached_tokens))
+    finally:
+        runner.stop()
+    return out
+
+
+def _scheduler_on_rank_0(rank, world, prompts, params, block_causal=None):
+    """Rank 0 runs the engine and decides; rank 1 only runs the forwards rank 0 sends. Then, on a
+    block-causal checkpoint (``block_causal``: its path, prompts and params), the prefix cache."""
     from dinfer_rt.engine import Engine, run_batch
     from dinfer_rt.model_runner import LeadRunner, follow
 
     model = parallel.load_sharded(None, rank, world)
     group = ops.COLLECTIVE_GROUPS["tp"]
+    causal = parallel.load_sharded(block_causal[0], rank, world, backend="cpu")
     if rank:
-        return {"forwards": follow(model, group, 0)}
+        return {"forwards": follow(model, group, 0) + follow(causal, group, 0)}
     runner = LeadRunner(model, group, 0)
     sent, send = [], runner.send
     runner.send = lambda msg: (sent.append(msg[0]), send(msg))[1]
@@ -224,13 +245,14 @@ def _scheduler_on_rank_0(rank, world, prompts, params):
         forwards = static.nfe + len(engine.forward_s) + len(rows.forward_s)
     finally:
         runner.stop()
+    cached = _prefix_cache_on_rank_0(causal, group, *block_causal[1:])
     return {
         "static": static.tokens, "served": served, "served_rows": served_rows, "forwards": forwards, "sent": sent,
-        "stats": engine.stats,
+        "stats": engine.stats, "prefix_cache": cached,
     }  # fmt: skip
 
 
-def test_rank_0_owns_the_scheduler_and_the_others_run_what_it_sends():
+def test_rank_0_owns_the_scheduler_and_the_others_run_what_it_sends(tmp_path):
     """The seam of ``model_runner``: under tensor parallelism only rank 0 has an engine; rank 1
     runs exactly the forwards rank 0 sends (lockstep and per-row; a paged pool's block tables with
     the inputs, contiguous rows' moves as messages) and the answers equal one process's, static
@@ -242,9 +264,22 @@ def test_rank_0_owns_the_scheduler_and_the_others_run_what_it_sends():
     params = SamplingParams(strategy="threshold", block_length=8, cache="dual", gen_length=16)
     want_static = run_batch(model, prompts, params).tokens
     want_served = _serve_in_steps(Engine(model, max_num_seqs=4), prompts, params)
-    lead, follower = parallel.launch(2, _scheduler_on_rank_0, prompts, params, timeout=240, all_ranks=True)
+    path = checkpoints.llada2(tmp_path / "llada2", heads=8, kv_heads=2, head_dim=12, partial=1.0, seed=9)
+    system = [7, 19, 8, 30, 9, 41, 10, 52, 11, 23, 12, 34]  # 3 blocks of 4 shared by both prompts
+    causal_prompts = [system + [13, 45], system + [20, 21, 22]]
+    causal_params = SamplingParams(strategy="threshold", block_length=4, cache="dual", gen_length=8)
+    alone = dinfer_rt.load_model(path, backend="cpu")
+    want_causal = [dinfer_rt.LLM(alone).generate([p], causal_params)[0].token_ids for p in causal_prompts]
+    lead, follower = parallel.launch(
+        2, _scheduler_on_rank_0, prompts, params, (path, causal_prompts, causal_params), timeout=240, all_ranks=True
+    )
     assert torch.equal(lead["static"], want_static) and lead["served"] == lead["served_rows"] == want_served
-    assert follower["forwards"] == lead["forwards"] == lead["sent"].count("run")
+    # the prefix cache on the group's paged pool: every answer as one process alone; the second
+    # request hits the first's three blocks, and each repeat hits its whole prompt blocks
+    assert [ids for ids, _ in lead["prefix_cache"]] == want_causal + want_causal
+    assert [hit for _, hit in lead["prefix_cache"]] == [0, 12, 12, 12]
+    # rank 1 ran every forward rank 0 sent: the first model's (counted here) and the cache's after them
+    assert lead["forwards"] == lead["sent"].count("run") and follower["forwards"] > lead["forwards"]
     # a paged pool is bound once and never moves; contiguous rows' moves went to the group too
     assert {"bind", "bind_paged", "move", "run"} <= set(lead["sent"])
     assert lead["stats"].per_row_steps > 0 and lead["stats"].lockstep_steps > 0
