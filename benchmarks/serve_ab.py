@@ -6,7 +6,8 @@ once; this runs several server configurations in turn, ``--repeats`` times, each
 the offline figures measured in the same repeat (in this process, with this checkout), and
 reports the medians of the per-repeat ratios. A configuration is a checkout to run the server
 from (``.``: this one; e.g. ``git archive HEAD | tar -x -C /tmp/base`` for the committed tree)
-and environment variables for the server process; the configurations' order rotates from one
+and environment variables for the server process (``SERVE_ARGS``: flags for ``serve`` itself, e.g.
+``SERVE_ARGS=--engine-process``); the configurations' order rotates from one
 repeat to the next, so a drift of the machine does not favour one.
 
 ``--profile DIR``: instead of timing, sample each server with py-spy (``pip install py-spy``)
@@ -18,6 +19,7 @@ much.
     python benchmarks/serve_ab.py --config base /tmp/base --config this . [--repeats 3]
     python benchmarks/serve_ab.py --config this . --config uvloop . PYTHONPATH=/opt/uv --rates 1
     python benchmarks/serve_ab.py --config this . --profile /tmp/prof --repeats 1
+    python benchmarks/serve_ab.py --config in . --config split . SERVE_ARGS=--engine-process
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def _config(spec: list[str]) -> dict:
     path = Path(tree).resolve()
     if not (path / "dinfer_rt" / "__init__.py").exists():
         raise SystemExit(f"--config {name}: {path} is not a dinfer-rt checkout (no dinfer_rt/__init__.py)")
-    return {"name": name, "tree": str(path), "env": env}
+    args = env.pop("SERVE_ARGS", "").split()  # server flags, e.g. SERVE_ARGS=--engine-process
+    return {"name": name, "tree": str(path), "env": env, "args": args}
 
 
 def summarize(raw: Path, top: int = 25) -> str:
@@ -104,7 +107,7 @@ def run_config(cfg: dict, items: list, rates: list[float], a, profile: Path | No
         launcher = ["taskset", "-c", str(a.cpus[0]), sys.executable, "-m", "dinfer_rt"]
         env.setdefault("OMP_NUM_THREADS", "1")
     server = ServerProcess(
-        "--max-num-seqs", str(a.max_num_seqs), cwd=Path(cfg["tree"]), env=env, launcher=launcher,
+        "--max-num-seqs", str(a.max_num_seqs), *cfg.get("args", ()), cwd=Path(cfg["tree"]), env=env, launcher=launcher,
         lifetime=a.deadline_s * (len(rates) + 1),
     )  # fmt: skip
     rows = []
@@ -211,7 +214,11 @@ def report(runs: list[dict], configs: list[dict], rates: list[float], a) -> list
             low_p50.append(low["p50_s"])
             ttft.append(low["ttft_p50_s"])
             acc.append(min(r["accuracy"] for r in mine))
-        where = cfg["tree"] + "".join(f", {k}={v}" for k, v in cfg["env"].items())
+        where = (
+            cfg["tree"]
+            + "".join(f", {k}={v}" for k, v in cfg["env"].items())
+            + "".join(f" {f}" for f in cfg.get("args", ()))
+        )
         lines.append(
             f"| {cfg['name']} | `{where}` | {med(sat_tps):.0f} | {med(shares):.0%} | {med(low_p50):.4f} "
             f"| {med(slows):.2f}x | {med(ttft):.4f} | {min(acc):.0%} | {', '.join(f'{s:.0%}' for s in shares)} "

@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from dinfer_rt.channel import EventReceiver, EventSender, apply_event
 from dinfer_rt.engine import EngineClosed, EngineStats, QueueFull, Request, check_request, notify
 from dinfer_rt.errors import DinferError, GenerationError
 from dinfer_rt.prefix_cache import PrefixCacheStats
@@ -67,6 +68,7 @@ def replica_main(
     engine_kwargs: dict,
     inbox,
     outbox,
+    events_conn=None,
     tp_rank: int = 0,
     tp_size: int = 1,
     rendezvous: str | None = None,
@@ -74,7 +76,9 @@ def replica_main(
     collective_timeout: float = 600.0,
 ) -> None:
     """One replica process (with ``tp_size`` > 1: rank ``tp_rank`` of replica ``index``'s
-    tensor-parallel group): load, report "ready", then apply commands and step the engine.
+    tensor-parallel group): load, report "ready" on ``outbox``, then apply the commands of
+    ``inbox`` and step the engine; a turn's events and step report go to the front in one write
+    on the lead's ``events_conn`` (``channel.py``).
 
     Under tensor parallelism the group's rank 0 owns the scheduler: it alone runs the engine
     (admission, decisions, reports) and its runner (``model_runner.LeadRunner``) broadcasts each
@@ -130,37 +134,28 @@ def replica_main(
     info["prefix_cache_summary"] = engine.prefix_cache_summary()
     outbox.put(("ready", index, {**info, "block_size": engine.block_size, "pid": os.getpid()}))
 
-    def listener(req: Request, event: str) -> None:
-        msg = {"final_ids": list(req.final_ids), "canvas": None if req.canvas is None else list(req.canvas)}
-        msg.update(provisional=list(req.provisional_ids), edits=req.edits, post_steps=req.post_steps)
-        if req.params.logprobs is not None:  # aligned with final_ids
-            msg.update(logprobs=list(req.logprobs), top_logprobs=list(req.top_logprobs))
-        msg["cached_tokens"] = req.cached_tokens  # known from admission on (usage.prompt_tokens_details)
-        if event == "finish":
-            err = None if req.error is None else f"{type(req.error).__name__}: {req.error}"
-            msg.update(reason=req.finish_reason, error=err, output_ids=req.output_ids, text=req.text)
-            msg["forwards"] = req.forwards
-            # the cache's counters as of this finish (its lookup counted), so /metrics read after
-            # the answer already counts it (the step report that follows also carries them)
-            msg["prefix_cache"] = _prefix_report(engine)
-        outbox.put(("event", index, req.id, event, msg))
+    events = EventSender(events_conn, index, extra=lambda: {"prefix_cache": _prefix_report(engine)})
 
     lost_peer = False
     try:
         while os.getppid() == parent:  # an orphaned replica (the front end was killed) exits
             commands = _take_commands(inbox, engine.has_work())
-            if _apply(commands, engine, listener, outbox, index):
+            if _apply(commands, engine, events):
                 return
+            report = None
             if engine.has_work():
                 engine.step()
                 if runner is not None and runner.lost is not None:  # its requests failed naming it
+                    events.flush()
                     runner, lost_peer = None, True
                     break
-                stats = {k: getattr(engine.stats, k) for k in _STAT_FIELDS}
-                stats.update(running=engine.num_running, waiting=engine.num_waiting)
-                outbox.put(("step", index, {**stats, "prefix_cache": _prefix_report(engine)}))
+                report = {k: getattr(engine.stats, k) for k in _STAT_FIELDS}
+                report.update(running=engine.num_running, waiting=engine.num_waiting)
+                report["prefix_cache"] = _prefix_report(engine)
             elif runner is not None:  # followers wait in a collective: keep it short of the timeout
                 runner.send(("idle",))
+            if not events.flush(report):  # the front closed its end: it is gone or shutting down
+                return
     except GroupLost:  # a collective failed or timed out (a follower rank died or hung), or a forward failed
         runner, lost_peer = None, True
     finally:
@@ -219,8 +214,9 @@ def _take_commands(inbox, busy: bool) -> list:
             return commands
 
 
-def _apply(commands: list, engine, listener, outbox, index: int) -> bool:
+def _apply(commands: list, engine, events: EventSender | None = None) -> bool:
     """Apply the front end's commands to the lead's engine; True on "stop"."""
+    listener = None if events is None else events.listener
     for cmd in commands:
         if cmd[0] == "submit":
             _, rid, prompt, params, max_tokens, canvas, *extra = cmd
@@ -230,9 +226,8 @@ def _apply(commands: list, engine, listener, outbox, index: int) -> bool:
                     stream_provisional=bool(extra and extra[0]), priority=extra[1] if len(extra) > 1 else 0,
                 )  # fmt: skip
             except GenerationError as e:  # the front end checked it; refuse it as an error, not a hang
-                if listener is not None:
-                    err = f"{type(e).__name__}: {e}"
-                    outbox.put(("event", index, rid, "finish", {"final_ids": [], "reason": "error", "error": err}))
+                if events is not None:
+                    events.refuse(rid, f"{type(e).__name__}: {e}")
         elif cmd[0] == "abort":
             engine.abort(cmd[1])
         elif cmd[0] == "close":
@@ -288,6 +283,7 @@ class ReplicaPool:
         ctx = mp.get_context("spawn")
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(replicas)]
+        pipes = [ctx.Pipe(duplex=False) for _ in range(replicas)]  # (front's reader, lead's writer) each
         kwargs = {**engine_kwargs, "max_queue": None}  # the front end bounds the queue
         self._store = tempfile.mkdtemp(prefix="dinfer-replicas-") if tp_size > 1 else None
         rendezvous = None if self._store is None else "file://" + os.path.join(self._store, "store")
@@ -303,6 +299,7 @@ class ReplicaPool:
                         kwargs,
                         self.inboxes[i] if t == 0 else None,
                         self.outbox,
+                        pipes[i][1] if t == 0 else None,
                         t,
                         tp_size,
                         rendezvous,
@@ -320,6 +317,9 @@ class ReplicaPool:
             for group in self.ranks:
                 for p in group:
                     p.start()
+        for _, writer in pipes:  # the leads hold the writing ends: a lead's exit ends its pipe
+            writer.close()
+        self.events = EventReceiver({i: reader for i, (reader, _) in enumerate(pipes)})
         ready: dict[int, dict] = {}
         deadline = time.monotonic() + timeout
         while len(ready) < replicas:
@@ -471,25 +471,17 @@ class ReplicaPool:
         return RelayedPrefixCache(stats, sum(r["budget"] for r in reports), approximate)
 
     def step(self) -> list[Request]:
-        """Apply the replicas' events (waiting up to 50 ms for the first); the finished requests."""
+        """Apply the replicas' events and step reports (waiting up to 50 ms for the first);
+        the finished requests."""
         finished: list[Request] = []
-        try:
-            messages = [self.outbox.get(timeout=0.05)]
-        except queue.Empty:
-            messages = []
-        while True:
-            try:
-                messages.append(self.outbox.get_nowait())
-            except queue.Empty:
-                break
-        for msg in messages:
-            if msg[0] == "event":
-                self._on_event(*msg[1:], finished)
-            elif msg[0] == "step":
-                report = dict(msg[2])
+        for index, events, report in self.events.receive(timeout=0.05):
+            for rid, event, msg in events:
+                self._on_event(index, rid, event, msg, finished)
+            if report is not None:
+                report = dict(report)
                 if "prefix_cache" in report:
-                    self._prefix[msg[1]] = report.pop("prefix_cache")
-                self._reported[msg[1]] = report
+                    self._prefix[index] = report.pop("prefix_cache")
+                self._reported[index] = report
                 for k in _STAT_FIELDS:
                     setattr(self.stats, k, sum(r[k] for r in self._reported))
         self._check_alive(finished)
@@ -499,6 +491,8 @@ class ReplicaPool:
         """Stop every replica process (after ``close`` and the drain)."""
         for box in self.inboxes:
             box.put(("stop",))
+        if hasattr(self, "events"):  # (a failed start stops the replicas before the pipes are read)
+            self.events.close()  # a replica still writing finds its pipe closed and returns
         for group in self.ranks:
             for p in group:
                 p.join(timeout=5)
@@ -552,12 +546,7 @@ class ReplicaPool:
         if entry is None:
             return
         req = entry[0]
-        req.final_ids, req.canvas = msg["final_ids"], msg.get("canvas")
-        req.provisional_ids = msg.get("provisional", [])
-        if "logprobs" in msg:
-            req.logprobs, req.top_logprobs = msg["logprobs"], msg["top_logprobs"]
-        req.edits, req.post_steps = msg.get("edits", 0), msg.get("post_steps", 0)
-        req.cached_tokens = msg.get("cached_tokens", 0)
+        apply_event(req, msg)
         req.status = "running"
         if event == "finish":
             if msg.get("prefix_cache") is not None:

@@ -98,11 +98,9 @@ def test_server_accepts_priority_and_hands_it_to_the_engine():
 def test_engine_process_command_carries_priority(model):
     """``--engine-process`` / replicas: the front's submit command carries the priority to the
     engine process's engine (``workers._apply``)."""
-    import queue
-
     from dinfer_rt.workers import _apply
 
     engine = Engine(model, max_num_seqs=1, block_length=4)
     cmds = [("submit", "a", PROMPTS[0], PARAMS, 8, False, False, 4), ("submit", "b", PROMPTS[1], PARAMS, 8, False)]
-    _apply(cmds, engine, None, queue.Queue(), 0)
+    _apply(cmds, engine)
     assert [(g[0].id, g[0].priority) for g in engine.waiting] == [("b", 0), ("a", 4)]
