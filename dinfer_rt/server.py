@@ -174,8 +174,9 @@ def check_pool(spec, dtype, device, config: ServeConfig, replicas: int = 1, grap
     return length
 
 
-def kv_pool_summary(engine: Engine, config: ServeConfig) -> str:
-    """The start-up line on the engine's KV pool: its blocks (paged) or the rows it took, and their bytes."""
+def kv_pool_summary(engine: Engine, max_num_seqs: int) -> str:
+    """The start-up line on the engine's KV pool: its blocks (paged) or the rows it took (of the
+    ``max_num_seqs`` asked for), and their bytes."""
     plan = engine.kv_plan
     if plan.paged:
         budget = "" if plan.budget is None else f"; budget {format_bytes(plan.budget)} ({plan.budget} bytes)"
@@ -188,8 +189,8 @@ def kv_pool_summary(engine: Engine, config: ServeConfig) -> str:
             f"({full} rows at the full {engine.max_model_len} positions would fit)"
         )
     rows = f"{plan.rows} rows decode at once"
-    if plan.rows < config.max_num_seqs:
-        rows += f" (--max-num-seqs {config.max_num_seqs}: the budget holds {plan.rows})"
+    if plan.rows < max_num_seqs:
+        rows += f" (--max-num-seqs {max_num_seqs}: the budget holds {plan.rows})"
     budget = "" if plan.budget is None else f", budget {format_bytes(plan.budget)} ({plan.budget} bytes)"
     return (
         f"dinfer-rt KV pool: {rows}; {plan.pool_rows} rows x {plan.positions} positions = "
@@ -562,7 +563,7 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
         graphs = model.backend.replays_graphs() and config.engine_args.get("graphs") is not False
         check_pool(model.spec, model.dtype, model.backend.device(), config, graphs=graphs)
     engine = Engine(model, **engine_kwargs(config, defaults)) if isinstance(model, Model) else model
-    if isinstance(engine, Engine) and engine.paged:  # a pool too small for any default request: say so now
+    if getattr(engine, "paged", False):  # a pool too small for any default request: say so now
         try:
             engine.check_request([0], defaults.for_model(model.spec), None)
         except GenerationError as e:
@@ -579,6 +580,8 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
     elif hasattr(engine, "kv_pool_rows"):  # replicas / --engine-process: what their engines reported
         metrics.kv_pool_rows.set(engine.kv_pool_rows)
         metrics.kv_pool_bytes.set(engine.kv_pool_bytes)
+        if engine.blocks is not None:
+            metrics.kv_blocks.set(engine.blocks.usable)
     relay = EventRelay()
     loop_holder = EngineLoop(engine, metrics, relay)
     tok = model.tokenizer
@@ -962,7 +965,9 @@ def serve(model, defaults: SamplingParams, config: ServeConfig) -> int:
         if not server.started:
             raise DinferError(f"dinfer-rt serve could not listen on {config.host}:{config.port} (see the log above)")
         if isinstance(app.state.engine, Engine):
-            print(kv_pool_summary(app.state.engine, config), flush=True)
+            print(kv_pool_summary(app.state.engine, config.max_num_seqs), flush=True)
+        elif hasattr(app.state.engine, "kv_pool_summary"):  # engine processes: what replica 0's engine took
+            print(app.state.engine.kv_pool_summary, flush=True)
         if hasattr(app.state.engine, "prefix_cache_summary"):  # an approximate cache is never silent
             print(app.state.engine.prefix_cache_summary(), flush=True)
         print(f"dinfer-rt serving '{config.model_name}' on http://{config.host}:{config.port}", flush=True)

@@ -33,6 +33,7 @@ import torch
 from dinfer_rt.channel import EventReceiver, EventSender, apply_event
 from dinfer_rt.engine import EngineClosed, EngineStats, QueueFull, Request, check_request, notify
 from dinfer_rt.errors import DinferError, GenerationError
+from dinfer_rt.kv_blocks import blocks_for
 from dinfer_rt.prefix_cache import PrefixCacheStats
 from dinfer_rt.sampling import SamplingParams
 
@@ -49,6 +50,14 @@ class RelayedPrefixCache(NamedTuple):
     stats: PrefixCacheStats
     budget: int
     approximate: bool = False  # a bidirectional model's, under --prefix-cache approximate
+
+
+class RelayedBlocks(NamedTuple):
+    """The replicas' paged KV pools as the front knows them (what ``server.Metrics`` reads of a
+    :class:`~dinfer_rt.kv_blocks.KVBlocks`): usable blocks, and blocks in use as last reported."""
+
+    usable: int
+    used: int
 
 
 def _prefix_report(engine) -> dict | None:
@@ -90,6 +99,7 @@ def replica_main(
     from dinfer_rt.model_runner import GroupLost, LeadRunner, follow
     from dinfer_rt.parallel import RENDEZVOUS_ENV, bind_device, init_group, leave_group, load_sharded
     from dinfer_rt.plugins import select_backend
+    from dinfer_rt.server import kv_pool_summary
 
     torch.set_num_threads(parallel.threads_per_process(replicas * tp_size))
     _exit_when_orphaned(index, tp_rank)
@@ -131,6 +141,10 @@ def replica_main(
     # K/V bytes: this rank's share under TP), so the front admits and refuses as this engine would
     info.update(kv_rows=engine.max_num_seqs, kv_pool_bytes=engine.kv_pool_bytes)
     info["kv_bytes_per_position"] = engine.kv_bytes_per_position
+    # a paged pool's blocks (0 / None: contiguous rows), so the front refuses a request past the
+    # whole pool with the 400 an in-process engine gives, and /metrics reports the blocks
+    info.update(kv_block_size=engine.kv_plan.block_size, kv_pool_blocks=engine.blocks.usable if engine.paged else None)
+    info["kv_pool_summary"] = kv_pool_summary(engine, engine_kwargs.get("max_num_seqs") or engine.max_num_seqs)
     info["prefix_cache_summary"] = engine.prefix_cache_summary()
     outbox.put(("ready", index, {**info, "block_size": engine.block_size, "pid": os.getpid()}))
 
@@ -152,6 +166,7 @@ def replica_main(
                 report = {k: getattr(engine.stats, k) for k in _STAT_FIELDS}
                 report.update(running=engine.num_running, waiting=engine.num_waiting)
                 report["prefix_cache"] = _prefix_report(engine)
+                report["kv_blocks_used"] = engine.blocks.used if engine.paged else 0
             elif runner is not None:  # followers wait in a collective: keep it short of the timeout
                 runner.send(("idle",))
             if not events.flush(report):  # the front closed its end: it is gone or shutting down
@@ -350,6 +365,12 @@ class ReplicaPool:
         # (a rank's engine reports its shard: a group holds tp_size shards, split or replicated heads alike)
         self._kv_bytes = [ready[i]["kv_pool_bytes"] * tp_size for i in range(replicas)]
         self.kv_bytes_per_position: int = info["kv_bytes_per_position"] * tp_size
+        self.kv_block_size: int = info["kv_block_size"]  # 0: contiguous rows
+        self.kv_pool_blocks: list[int | None] = [ready[i]["kv_pool_blocks"] for i in range(replicas)]
+        self.paged = info["kv_pool_blocks"] is not None
+        where = f"replica 0 of {replicas}" if replicas > 1 else "the engine process"
+        shard = f", rank 0's shard of {tp_size}" if tp_size > 1 else ""
+        self.kv_pool_summary = info["kv_pool_summary"].replace("KV pool:", f"KV pool ({where}{shard}):", 1)
         self.max_queue = max_queue
         self._prefix_summary: str = info["prefix_cache_summary"]
         self.capacities = [rows + max_queue for rows in self.kv_rows]  # requests in flight per replica, at most
@@ -379,11 +400,7 @@ class ReplicaPool:
         stream_provisional: bool = False,
         priority: int = 0,
     ) -> Request:
-        max_tokens = check_request(
-            prompt, params, max_tokens, vocab=self.spec.vocab, max_model_len=self.max_model_len,
-            has_tokenizer=True, block_causal=self.spec.block_causal,
-            kv_bytes_per_position=self.kv_bytes_per_position,
-        )  # fmt: skip
+        max_tokens = self.check_request(prompt, params, max_tokens)
         with self._lock:
             if self.closed:
                 raise EngineClosed("the server is shutting down and admits no new requests")
@@ -391,7 +408,8 @@ class ReplicaPool:
             if not live:
                 raise EngineClosed("every replica has died")
             turn = next(self._turn)
-            room = [r for r in live if self.load[r] < self.capacities[r]]
+            positions = len(prompt) + params.gen_length
+            room = [r for r in live if self.load[r] < self.capacities[r] and self._holds(r, positions)]
             if not room:
                 raise QueueFull(self._full_message(live))
             i = min(room, key=lambda r: (self.load[r], (r - turn) % self.replicas))
@@ -405,6 +423,33 @@ class ReplicaPool:
         cmd = ("submit", req.id, list(prompt), params, max_tokens, return_canvas, stream_provisional, priority)
         self.inboxes[i].put(cmd)
         return req
+
+    def check_request(self, prompt: list[int], params: SamplingParams, max_tokens: int | None) -> int:
+        """What an engine would refuse (``Engine.check_request``), checked here before routing: a
+        ``GenerationError`` naming the field (a request past every live replica's paged pool
+        among them), else the request's ``max_tokens``."""
+        pools = [b for b, alive in zip(self.kv_pool_blocks, self.alive) if alive and b is not None]
+        return check_request(
+            prompt, params, max_tokens, vocab=self.spec.vocab, max_model_len=self.max_model_len,
+            has_tokenizer=True, block_causal=self.spec.block_causal,
+            kv_bytes_per_position=self.kv_bytes_per_position, kv_block_size=self.kv_block_size,
+            kv_pool_blocks=max(pools) if pools else None,
+        )  # fmt: skip
+
+    def _holds(self, replica: int, positions: int) -> bool:
+        """Whether replica's KV pool can ever hold a request of ``positions`` positions (pools may
+        differ under --kv-cache-memory-fraction)."""
+        blocks = self.kv_pool_blocks[replica]
+        return blocks is None or blocks_for(positions, self.kv_block_size) <= blocks
+
+    @property
+    def blocks(self) -> RelayedBlocks | None:
+        """The live replicas' paged pools as they last reported them (None: contiguous rows)."""
+        if not self.paged:
+            return None
+        live = [i for i in range(self.replicas) if self.alive[i]]
+        used = sum(self._reported[i].get("kv_blocks_used", 0) for i in live)
+        return RelayedBlocks(sum(self.kv_pool_blocks[i] for i in live), used)
 
     def prefix_cache_summary(self) -> str:
         """The start-up line on the replicas' prefix cache (replica 0's: every replica is built alike)."""

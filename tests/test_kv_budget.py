@@ -75,9 +75,7 @@ def test_budget_to_rows_arithmetic_equals_the_allocated_tensors(gqa, monkeypatch
     monkeypatch.setattr(dinfer_rt.engine, "available_memory", lambda device: 10 * row)
     engine = Engine(gqa, kv_block_size=0, max_model_len=20, max_num_seqs=8, kv_cache_memory_fraction=0.25)
     assert engine.max_num_seqs == 2 and engine.kv_plan.budget == int(2.5 * row) and allocated(engine) == 2 * row
-    assert "2 rows decode at once (--max-num-seqs 8: the budget holds 2)" in kv_pool_summary(
-        engine, ServeConfig(max_num_seqs=8)
-    )
+    assert "2 rows decode at once (--max-num-seqs 8: the budget holds 2)" in kv_pool_summary(engine, 8)
     engine.release()
     monkeypatch.setattr(dinfer_rt.engine, "available_memory", lambda device: None)
     with pytest.raises(GenerationError, match="free memory of this device is unknown; give the budget in bytes"):

@@ -344,11 +344,14 @@ def test_a_running_request_s_blocks_survive_eviction_pressure(models):
 # ------------------------------------------------------------------------------ served
 
 
-def test_serve_on_a_paged_budget_answers_concurrent_requests_as_offline_and_reports_its_blocks():
-    """``serve --kv-cache-memory`` of 20 blocks (less than two contiguous rows of the embedded model):
-    the start-up line describes the paged pool, ``/metrics`` its blocks, four concurrent chats are
-    answered as ``LLM.generate`` answers them, and at the end only the prefix cache holds blocks
-    (none here: the embedded model is bidirectional)."""
+@pytest.mark.parametrize("process", ["in-process", "engine-process"])
+def test_serve_on_a_paged_budget_answers_concurrent_requests_as_offline_and_reports_its_blocks(process):
+    """``serve --kv-cache-memory`` of 10 blocks (less than one contiguous row of the embedded model),
+    with the engine in the server's process and in its own (``--engine-process``): the start-up
+    line describes the paged pool, ``/metrics`` its blocks, a request past the whole pool is the
+    same 400 naming its blocks in both, four concurrent chats (8 blocks each: they wait for blocks,
+    not rows) are answered as ``LLM.generate`` answers them, and at the end only the prefix cache holds blocks (none here: the embedded model
+    is bidirectional)."""
     from concurrent.futures import ThreadPoolExecutor
     from pathlib import Path
 
@@ -361,16 +364,21 @@ def test_serve_on_a_paged_budget_answers_concurrent_requests_as_offline_and_repo
     root = Path(__file__).resolve().parents[1]
     llm = LLM()
     block = kv_row_bytes(llm.model.spec, llm.model.dtype, 4)
+    split = ["--engine-process"] if process == "engine-process" else []
     s = ServerProcess(
         "--strategy", "threshold", "--block-length", "8", "--gen-length", "16", "--max-num-seqs", "8",
-        "--kv-cache-memory", str(21 * block), cwd=root,
+        "--kv-cache-memory", str(11 * block), *split, cwd=root,
     )  # fmt: skip
     params = SamplingParams(strategy="threshold", block_length=8, gen_length=16)
     try:
-        assert s.metric("dinfer_kv_blocks") == 20 and s.metric("dinfer_kv_pool_rows") == 8
+        assert s.metric("dinfer_kv_blocks") == 10 and s.metric("dinfer_kv_pool_rows") == 8
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         items = task.heldout(4)
+        with pytest.raises(openai.BadRequestError) as refused:  # 2 + 48 positions: 13 blocks of 4 > 10
+            client.completions.create(model=model, prompt="ab", max_tokens=48)
+        why = str(refused.value)
+        assert "need 13 KV blocks of 4 positions" in why and "the whole KV pool holds 10" in why, why
 
         def ask(letters: str) -> str:
             r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": letters}])
@@ -384,7 +392,8 @@ def test_serve_on_a_paged_budget_answers_concurrent_requests_as_offline_and_repo
         s.proc.terminate()
         s.proc.wait(timeout=60)
         log = s.proc.stdout.read()
-        assert "dinfer-rt KV pool: paged, 20 blocks of 4 positions" in log, log[-2000:]
+        where = " (the engine process)" if split else ""
+        assert f"dinfer-rt KV pool{where}: paged, 10 blocks of 4 positions" in log, log[-2000:]
     finally:
         s.stop()
 
