@@ -349,7 +349,7 @@ def test_serve_on_a_paged_budget_answers_concurrent_requests_as_offline_and_repo
     """``serve --kv-cache-memory`` of 10 blocks (less than one contiguous row of the embedded model),
     with the engine in the server's process and in its own (``--engine-process``): the start-up
     line describes the paged pool, ``/metrics`` its blocks, a request past the whole pool is the
-    same 400 naming its blocks in both, four concurrent chats (8 blocks each: they wait for blocks,
+    same 400 naming its blocks in both, four concurrent chats (each needs most of the pool: they wait for blocks,
     not rows) are answered as ``LLM.generate`` answers them, and at the end only the prefix cache
     holds blocks (none here: the embedded model is bidirectional)."""
     from concurrent.futures import ThreadPoolExecutor
