@@ -119,7 +119,7 @@ def run_config(cfg: dict, items: list, rates: list[float], a, profile: Path | No
                 raw = profile / f"{cfg['name']}-rate{rate:g}{tag}.txt"
                 spy = _spy(server.proc.pid, raw)
             seed = int(rate) if rate != float("inf") else 7
-            row = sb.load(server.url, items, rate, seed=seed, deadline_s=a.deadline_s)
+            row = sb.load(server.url, items, rate, seed=seed, deadline_s=a.deadline_s, server_pid=server.proc.pid)
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(timeout=60)
@@ -202,8 +202,9 @@ def report(runs: list[dict], configs: list[dict], rates: list[float], a) -> list
         "| of a lone offline request | first text p50 s | accuracy | per-repeat saturation | per-repeat low load |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    cpu_rows: list[str] = []
     for cfg in configs:
-        shares, slows, sat_tps, low_p50, ttft, acc = [], [], [], [], [], []
+        shares, slows, sat_tps, low_p50, ttft, acc, low_cpu, sat_cpu = [], [], [], [], [], [], [], []
         for run in runs:
             mine = [r for r in run["rows"] if r["config"] == cfg["name"]]
             sat = next(r for r in mine if r["rate"] == sat_rate)
@@ -214,6 +215,10 @@ def report(runs: list[dict], configs: list[dict], rates: list[float], a) -> list
             low_p50.append(low["p50_s"])
             ttft.append(low["ttft_p50_s"])
             acc.append(min(r["accuracy"] for r in mine))
+            off = run["offline"]
+            if low.get("server_cpu_ms_per_request") is not None and "lone_cpu_ms" in off:
+                low_cpu.append(low["server_cpu_ms_per_request"] - off["lone_cpu_ms"])
+                sat_cpu.append(sat["server_cpu_ms_per_request"] - off["batch_cpu_ms_per_request"])
         where = (
             cfg["tree"]
             + "".join(f", {k}={v}" for k, v in cfg["env"].items())
@@ -224,6 +229,11 @@ def report(runs: list[dict], configs: list[dict], rates: list[float], a) -> list
             f"| {med(slows):.2f}x | {med(ttft):.4f} | {min(acc):.0%} | {', '.join(f'{s:.0%}' for s in shares)} "
             f"| {', '.join(f'{s:.2f}x' for s in slows)} |"
         )
+        if low_cpu:
+            cpu_rows.append(
+                f"| {cfg['name']} | {med(low_cpu):+.2f} | {', '.join(f'{c:+.2f}' for c in low_cpu)} "
+                f"| {med(sat_cpu):+.2f} | {', '.join(f'{c:+.2f}' for c in sat_cpu)} |"
+            )
     offs = [r["offline"] for r in runs]
     tps = ", ".join(f"{o['tokens_per_s']:.0f}" for o in offs)
     lone = ", ".join(f"{o['lone_p50_s']:.4f}" for o in offs)
@@ -235,6 +245,19 @@ def report(runs: list[dict], configs: list[dict], rates: list[float], a) -> list
         f"{med([o['lone_p50_s'] for o in offs]):.4f} s (per repeat: {lone}).",
         f"Saturation: offered rate {sat_rate:g}; low load: offered rate {low_rate:g} req/s.",
     ]
+    if cpu_rows:
+        low_off = med([o["lone_cpu_ms"] for o in offs])
+        sat_off = med([o["batch_cpu_ms_per_request"] for o in offs])
+        lines += [
+            "",
+            "**Server CPU per request beyond offline's** (ms, every thread of the server's processes; CPU time "
+            "repeats where wall time does not on a shared machine): low load against a lone offline request "
+            f"({low_off:.1f} ms of CPU), saturation against a request of the offline batch ({sat_off:.1f} ms).",
+            "",
+            "| server | low load, median | per repeat | saturation, median | per repeat |",
+            "|---|---|---|---|---|",
+            *cpu_rows,
+        ]
     return lines
 
 

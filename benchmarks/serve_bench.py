@@ -55,18 +55,46 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
+def tree_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, every thread) of process ``pid`` and its living descendants
+    (``serve --engine-process``: the front and its engine process), from ``/proc``; None where
+    there is no ``/proc``. CPU time, unlike latency, barely moves when the machine is shared: what
+    a server spends per request beyond what ``LLM.generate`` spends is its overhead in a figure
+    that repeats, and on a small machine the cores it takes from the forward."""
+    proc = Path("/proc")
+    if not (proc / str(pid) / "stat").exists():
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    parents, cpu = {}, {}
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited while listed
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+        cpu[int(stat.parent.name)] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += cpu.get(p, 0.0)
+        todo += [c for c, parent in parents.items() if parent == p]
+    return total
+
+
 def offline(prompts: list[str], batch: int) -> dict:
     llm = LLM()
     params = SamplingParams(**KNOBS, batch_size=batch)
     llm.generate(prompts[:batch], params)  # warm-up: graphs compiled, allocator primed
-    lone = []
+    lone, lone_cpu = [], []
     for p in prompts[:8]:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         llm.generate([p], params)
         lone.append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
+        lone_cpu.append(time.process_time() - c0)
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
+    batch_cpu = time.process_time() - c0
     tokens = sum(len(o.token_ids) for o in outs)
     correct = sum(task.check(it.letters, o.text) for it, o in zip(task.heldout(len(prompts)), outs))
     # the same engine the server runs, in this process with no HTTP: where the server's loss lies
@@ -81,6 +109,8 @@ def offline(prompts: list[str], batch: int) -> dict:
         "tokens_per_s": tokens / wall,
         "engine_tokens_per_s": tokens / engine_wall,
         "accuracy": correct / len(outs),
+        "lone_cpu_ms": 1e3 * statistics.median(lone_cpu),  # CPU of one lone request, every thread
+        "batch_cpu_ms_per_request": 1e3 * batch_cpu / len(prompts),
     }
 
 
@@ -121,8 +151,10 @@ def _one(url: str, letters: str, record: dict) -> None:
         record["tokens"] = record["usage"]["completion_tokens"]
 
 
-def load(url: str, items: list, rate: float, seed: int, deadline_s: float) -> dict:
-    """Open-loop: request i is sent at its arrival time whatever happened to the others."""
+def load(url: str, items: list, rate: float, seed: int, deadline_s: float, server_pid: int | None = None) -> dict:
+    """Open-loop: request i is sent at its arrival time whatever happened to the others.
+    ``server_pid``: also the server's CPU per request (``tree_cpu_s``; the idle time between
+    arrivals included, a few wake-ups a second)."""
     rng = random.Random(seed)
     arrivals, t = [], 0.0
     for _ in items:
@@ -130,6 +162,7 @@ def load(url: str, items: list, rate: float, seed: int, deadline_s: float) -> di
         t += 0.0 if rate == float("inf") else rng.expovariate(rate)
     records = [{} for _ in items]
     cpu0 = time.process_time()  # the load generator's own CPU time: it shares the machine's cores
+    server0 = None if server_pid is None else tree_cpu_s(server_pid)
     start = time.perf_counter()
     threads = []
     for item, at, rec in zip(items, arrivals, records):
@@ -142,6 +175,7 @@ def load(url: str, items: list, rate: float, seed: int, deadline_s: float) -> di
     for th in threads:
         th.join(timeout=max(1.0, start + deadline_s - time.perf_counter()))
     client_cpu = time.process_time() - cpu0
+    server1 = None if server0 is None else tree_cpu_s(server_pid)
     done = [r for r in records if "latency" in r]
     span = max(r["end"] for r in done) - min(r["start"] for r in done)
     lat = [r["latency"] for r in done]
@@ -158,6 +192,8 @@ def load(url: str, items: list, rate: float, seed: int, deadline_s: float) -> di
         "ttft_p50_s": _pct(ttft, 50) if ttft else float("nan"),
         "accuracy": sum(task.check(it.letters, r.get("text", "")) for it, r in zip(items, records)) / len(items),
         "client_cores": client_cpu / (time.perf_counter() - start),
+        "client_cpu_ms_per_request": 1e3 * client_cpu / len(items),
+        "server_cpu_ms_per_request": None if server1 is None else 1e3 * (server1 - server0) / len(items),
     }
 
 
@@ -473,7 +509,7 @@ def main() -> None:
             load(server.url, items[:4], float("inf"), 0, a.deadline_s)  # warm-up
             for rate in tqdm(rates, desc=f"offered load ({mode})", unit="rate"):
                 seed = int(rate) if rate != float("inf") else 7
-                row = load(server.url, items, rate, seed=seed, deadline_s=a.deadline_s)
+                row = load(server.url, items, rate, seed=seed, deadline_s=a.deadline_s, server_pid=server.proc.pid)
                 rows.append({"process_model": mode, **row})
             padded += server.metric("dinfer_padded_tokens_total")
             computed += server.metric("dinfer_computed_tokens_total")
@@ -486,21 +522,24 @@ def main() -> None:
         f"max_num_seqs {a.max_num_seqs}; offline batch {a.max_num_seqs}{pinned}. One run on this machine.",
         "",
         "| process model | offered req/s | completed | req/s | output tok/s | p50 s | p90 s | p99 s "
-        "| first text p50 s | accuracy | load generator cores |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| first text p50 s | accuracy | load generator cores | server CPU ms / request |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['process_model']} | {r['rate']:g} | {r['completed']}/{r['requests']} | {r['requests_per_s']:.2f} "
             f"| {r['tokens_per_s']:.0f} | {r['p50_s']:.3f} | {r['p90_s']:.3f} | {r['p99_s']:.3f} "
-            f"| {r['ttft_p50_s']:.3f} | {r['accuracy']:.0%} | {r['client_cores']:.2f} |"
+            f"| {r['ttft_p50_s']:.3f} | {r['accuracy']:.0%} | {r['client_cores']:.2f} "
+            f"| {r['server_cpu_ms_per_request'] or float('nan'):.1f} |"
         )
     pad = padded / computed if computed else 0.0
     lines += [
         "",
         f"Offline `LLM.generate` batch {a.max_num_seqs}: {off['tokens_per_s']:.0f} output tok/s "
         f"(accuracy {off['accuracy']:.0%}); the engine in-process (no HTTP, all prompts at once): "
-        f"{off['engine_tokens_per_s']:.0f} tok/s; a lone offline request: {off['lone_p50_s']:.3f} s (median of 8).",
+        f"{off['engine_tokens_per_s']:.0f} tok/s; a lone offline request: {off['lone_p50_s']:.3f} s (median of 8). "
+        f"Offline CPU per request (every thread): {off['lone_cpu_ms']:.1f} ms alone, "
+        f"{off['batch_cpu_ms_per_request']:.1f} ms in the batch.",
         f"Padding share of the server's computed query slots: {pad:.1%}.",
         "",
         "| process model | target (#40) | measured | met |",
