@@ -18,6 +18,7 @@ the ones already sent, not the whole answer so far (:class:`EventSender` keeps w
 from __future__ import annotations
 
 import multiprocessing.connection as mpc
+import time
 from collections.abc import Callable
 
 from dinfer_rt.engine import Request
@@ -107,7 +108,8 @@ class EventReceiver:
         """The messages waiting on any pipe (waiting up to ``timeout`` s for the first). A pipe
         whose engine process is gone (end of file) is dropped: its death is found by its exit
         code, which names it."""
-        if not self.conns:
+        if not self.conns:  # every engine process is gone: its exit code names it; no busy loop meanwhile
+            time.sleep(timeout)
             return []
         out = []
         for conn in mpc.wait(list(self.conns.values()), timeout):
