@@ -203,8 +203,10 @@ def report(runs: list[dict], configs: list[dict], rates: list[float], a) -> list
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     cpu_rows: list[str] = []
+    front_rows: list[str] = []  # --engine-process: the front's own CPU (no forward, no OpenMP spinning)
     for cfg in configs:
         shares, slows, sat_tps, low_p50, ttft, acc, low_cpu, sat_cpu = [], [], [], [], [], [], [], []
+        low_front, sat_front = [], []
         for run in runs:
             mine = [r for r in run["rows"] if r["config"] == cfg["name"]]
             sat = next(r for r in mine if r["rate"] == sat_rate)
@@ -219,6 +221,9 @@ def report(runs: list[dict], configs: list[dict], rates: list[float], a) -> list
             if low.get("server_cpu_ms_per_request") is not None and "lone_cpu_ms" in off:
                 low_cpu.append(low["server_cpu_ms_per_request"] - off["lone_cpu_ms"])
                 sat_cpu.append(sat["server_cpu_ms_per_request"] - off["batch_cpu_ms_per_request"])
+            if "--engine-process" in cfg.get("args", ()) and low.get("front_cpu_ms_per_request") is not None:
+                low_front.append(low["front_cpu_ms_per_request"])
+                sat_front.append(sat["front_cpu_ms_per_request"])
         where = (
             cfg["tree"]
             + "".join(f", {k}={v}" for k, v in cfg["env"].items())
@@ -233,6 +238,11 @@ def report(runs: list[dict], configs: list[dict], rates: list[float], a) -> list
             cpu_rows.append(
                 f"| {cfg['name']} | {med(low_cpu):+.2f} | {', '.join(f'{c:+.2f}' for c in low_cpu)} "
                 f"| {med(sat_cpu):+.2f} | {', '.join(f'{c:+.2f}' for c in sat_cpu)} |"
+            )
+        if low_front:
+            front_rows.append(
+                f"| {cfg['name']} | {med(low_front):.2f} | {', '.join(f'{c:.2f}' for c in low_front)} "
+                f"| {med(sat_front):.2f} | {', '.join(f'{c:.2f}' for c in sat_front)} |"
             )
     offs = [r["offline"] for r in runs]
     tps = ", ".join(f"{o['tokens_per_s']:.0f}" for o in offs)
@@ -257,6 +267,16 @@ def report(runs: list[dict], configs: list[dict], rates: list[float], a) -> list
             "| server | low load, median | per repeat | saturation, median | per repeat |",
             "|---|---|---|---|---|",
             *cpu_rows,
+        ]
+    if front_rows:
+        lines += [
+            "",
+            "**The front's CPU per request** (ms; `--engine-process` configurations: the HTTP process alone, which runs "
+            "no forward, so no OpenMP spin-waiting: HTTP, tokenising, SSE, the relay from the engine process):",
+            "",
+            "| server | low load, median | per repeat | saturation, median | per repeat |",
+            "|---|---|---|---|---|",
+            *front_rows,
         ]
     return lines
 

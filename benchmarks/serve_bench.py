@@ -55,12 +55,14 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
-def tree_cpu_s(pid: int) -> float | None:
+def tree_cpu_s(pid: int, descendants: bool = True) -> float | None:
     """CPU seconds (user + system, every thread) of process ``pid`` and its living descendants
     (``serve --engine-process``: the front and its engine process), from ``/proc``; None where
     there is no ``/proc``. CPU time, unlike latency, barely moves when the machine is shared: what
-    a server spends per request beyond what ``LLM.generate`` spends is its overhead in a figure
-    that repeats, and on a small machine the cores it takes from the forward."""
+    a server spends per request beyond what ``LLM.generate`` spends is its overhead, and on a
+    small machine the cores it takes from the forward (OpenMP threads spin while they wait, so
+    an engine's CPU still follows its wall time). ``descendants=False``: the process alone
+    (with ``--engine-process``, the front: HTTP, tokenising, SSE, the relay; it runs no forward)."""
     proc = Path("/proc")
     if not (proc / str(pid) / "stat").exists():
         return None
@@ -73,6 +75,8 @@ def tree_cpu_s(pid: int) -> float | None:
             continue
         parents[int(stat.parent.name)] = int(fields[1])
         cpu[int(stat.parent.name)] = (int(fields[11]) + int(fields[12])) / tick
+    if not descendants:
+        return cpu.get(pid)
     total, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
@@ -163,6 +167,7 @@ def load(url: str, items: list, rate: float, seed: int, deadline_s: float, serve
     records = [{} for _ in items]
     cpu0 = time.process_time()  # the load generator's own CPU time: it shares the machine's cores
     server0 = None if server_pid is None else tree_cpu_s(server_pid)
+    front0 = None if server_pid is None else tree_cpu_s(server_pid, descendants=False)
     start = time.perf_counter()
     threads = []
     for item, at, rec in zip(items, arrivals, records):
@@ -176,6 +181,7 @@ def load(url: str, items: list, rate: float, seed: int, deadline_s: float, serve
         th.join(timeout=max(1.0, start + deadline_s - time.perf_counter()))
     client_cpu = time.process_time() - cpu0
     server1 = None if server0 is None else tree_cpu_s(server_pid)
+    front1 = None if front0 is None else tree_cpu_s(server_pid, descendants=False)
     done = [r for r in records if "latency" in r]
     span = max(r["end"] for r in done) - min(r["start"] for r in done)
     lat = [r["latency"] for r in done]
@@ -194,6 +200,8 @@ def load(url: str, items: list, rate: float, seed: int, deadline_s: float, serve
         "client_cores": client_cpu / (time.perf_counter() - start),
         "client_cpu_ms_per_request": 1e3 * client_cpu / len(items),
         "server_cpu_ms_per_request": None if server1 is None else 1e3 * (server1 - server0) / len(items),
+        # the server's first process only: with --engine-process the front, without it the whole server
+        "front_cpu_ms_per_request": None if front1 is None else 1e3 * (front1 - front0) / len(items),
     }
 
 
