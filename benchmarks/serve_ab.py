@@ -271,8 +271,8 @@ def report(runs: list[dict], configs: list[dict], rates: list[float], a) -> list
     if front_rows:
         lines += [
             "",
-            "**The front's CPU per request** (ms; `--engine-process` configurations: the HTTP process alone, which runs "
-            "no forward, so no OpenMP spin-waiting: HTTP, tokenising, SSE, the relay from the engine process):",
+            "**The front's CPU per request** (ms; `--engine-process` configurations: the HTTP process alone, which "
+            "runs no forward, so no OpenMP spin-waiting: HTTP, tokenising, SSE, the relay from the engine process):",
             "",
             "| server | low load, median | per repeat | saturation, median | per repeat |",
             "|---|---|---|---|---|",
