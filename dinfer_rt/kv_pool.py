@@ -224,3 +224,27 @@ def _paged_plan(spec, dtype, args: EngineArgs, max_model_len: int, positions: in
         row, positions, rows, pool_rows(dataclasses.replace(args, max_num_seqs=rows), graphs), budget, shape,
         block_size=size, num_blocks=num, block_bytes=block,
     )  # fmt: skip
+
+
+def pool_summary(plan: KVPoolPlan, max_model_len: int, max_num_seqs: int) -> str:
+    """The start-up line on an engine's KV pool (``serve`` prints it; an engine process sends it
+    to its front): its blocks (paged) or the rows it took (of the ``max_num_seqs`` asked for), and
+    their bytes."""
+    if plan.paged:
+        budget = "" if plan.budget is None else f"; budget {format_bytes(plan.budget)} ({plan.budget} bytes)"
+        full = (plan.num_blocks - 1) // blocks_for(max_model_len, plan.block_size)
+        return (
+            f"dinfer-rt KV pool: paged, {plan.num_blocks - 1} blocks of {plan.block_size} positions = "
+            f"{format_bytes(plan.nbytes)} ({plan.nbytes} bytes, {plan.block_bytes} per block, block table "
+            f"included{budget}); "
+            f"{plan.rows} rows decode at once, each taking the blocks of its own length "
+            f"({full} rows at the full {max_model_len} positions would fit)"
+        )
+    rows = f"{plan.rows} rows decode at once"
+    if plan.rows < max_num_seqs:
+        rows += f" (--max-num-seqs {max_num_seqs}: the budget holds {plan.rows})"
+    budget = "" if plan.budget is None else f", budget {format_bytes(plan.budget)} ({plan.budget} bytes)"
+    return (
+        f"dinfer-rt KV pool: {rows}; {plan.pool_rows} rows x {plan.positions} positions = "
+        f"{format_bytes(plan.nbytes)} ({plan.nbytes} bytes, {plan.row_bytes} per row{budget})"
+    )

@@ -34,8 +34,7 @@ import dinfer_rt
 from dinfer_rt.engine import Engine, EngineClosed, QueueFull, Request
 from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import DinferError, GenerationError
-from dinfer_rt.kv_blocks import blocks_for
-from dinfer_rt.kv_pool import available_memory, format_bytes, kv_pool_plan
+from dinfer_rt.kv_pool import available_memory, kv_pool_plan, pool_summary
 from dinfer_rt.model import Model
 from dinfer_rt.openai_protocol import (
     SHOWN_CHARS,
@@ -175,27 +174,8 @@ def check_pool(spec, dtype, device, config: ServeConfig, replicas: int = 1, grap
 
 
 def kv_pool_summary(engine: Engine, max_num_seqs: int) -> str:
-    """The start-up line on the engine's KV pool: its blocks (paged) or the rows it took (of the
-    ``max_num_seqs`` asked for), and their bytes."""
-    plan = engine.kv_plan
-    if plan.paged:
-        budget = "" if plan.budget is None else f"; budget {format_bytes(plan.budget)} ({plan.budget} bytes)"
-        full = (plan.num_blocks - 1) // blocks_for(engine.max_model_len, plan.block_size)
-        return (
-            f"dinfer-rt KV pool: paged, {plan.num_blocks - 1} blocks of {plan.block_size} positions = "
-            f"{format_bytes(plan.nbytes)} ({plan.nbytes} bytes, {plan.block_bytes} per block, block table "
-            f"included{budget}); "
-            f"{plan.rows} rows decode at once, each taking the blocks of its own length "
-            f"({full} rows at the full {engine.max_model_len} positions would fit)"
-        )
-    rows = f"{plan.rows} rows decode at once"
-    if plan.rows < max_num_seqs:
-        rows += f" (--max-num-seqs {max_num_seqs}: the budget holds {plan.rows})"
-    budget = "" if plan.budget is None else f", budget {format_bytes(plan.budget)} ({plan.budget} bytes)"
-    return (
-        f"dinfer-rt KV pool: {rows}; {plan.pool_rows} rows x {plan.positions} positions = "
-        f"{format_bytes(plan.nbytes)} ({plan.nbytes} bytes, {plan.row_bytes} per row{budget})"
-    )
+    """The start-up line on the engine's KV pool (``kv_pool.pool_summary``)."""
+    return pool_summary(engine.kv_plan, engine.max_model_len, max_num_seqs)
 
 
 def check_before_load(config: ServeConfig, path=None, backend: str | None = None, dtype=None, replicas: int = 1):

@@ -95,11 +95,11 @@ def replica_main(
     (``model_runner.follow``). The ranks never decide what to run on their own."""
     from dinfer_rt import parallel
     from dinfer_rt.engine import Engine
+    from dinfer_rt.kv_pool import pool_summary
     from dinfer_rt.loader import load_model
     from dinfer_rt.model_runner import GroupLost, LeadRunner, follow
     from dinfer_rt.parallel import RENDEZVOUS_ENV, bind_device, init_group, leave_group, load_sharded
     from dinfer_rt.plugins import select_backend
-    from dinfer_rt.server import kv_pool_summary
 
     torch.set_num_threads(parallel.threads_per_process(replicas * tp_size))
     _exit_when_orphaned(index, tp_rank)
@@ -144,7 +144,8 @@ def replica_main(
     # a paged pool's blocks (0 / None: contiguous rows), so the front refuses a request past the
     # whole pool with the 400 an in-process engine gives, and /metrics reports the blocks
     info.update(kv_block_size=engine.kv_plan.block_size, kv_pool_blocks=engine.blocks.usable if engine.paged else None)
-    info["kv_pool_summary"] = kv_pool_summary(engine, engine_kwargs.get("max_num_seqs") or engine.max_num_seqs)
+    asked = engine_kwargs.get("max_num_seqs") or engine.max_num_seqs
+    info["kv_pool_summary"] = pool_summary(engine.kv_plan, engine.max_model_len, asked)
     info["prefix_cache_summary"] = engine.prefix_cache_summary()
     outbox.put(("ready", index, {**info, "block_size": engine.block_size, "pid": os.getpid()}))
 

@@ -9,11 +9,9 @@ an error naming the numbers; a served budget of two rows answers four concurrent
 from __future__ import annotations
 
 import argparse
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 import torch
 
@@ -159,16 +157,8 @@ def test_serve_with_a_two_row_budget_answers_four_concurrent_requests_as_offline
     )  # fmt: skip
     try:
         assert s.metric("dinfer_kv_pool_rows") == 2 and s.metric("dinfer_kv_pool_bytes") == 2 * EMBEDDED_ROW
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
         items = task.heldout(4)
-
-        def ask(letters: str) -> str:
-            r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": letters}])
-            return r.choices[0].message.content
-
-        with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(ask, [item.letters for item in items]))
+        answers = s.chats([item.letters for item in items])
         for item, got in zip(items, answers):
             assert got == embedded.generate([item.letters], PARAMS)[0].text, item.letters
         assert httpx.get(s.url + "/health").json()["status"] == "ok"

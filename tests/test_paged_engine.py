@@ -352,7 +352,6 @@ def test_serve_on_a_paged_budget_answers_concurrent_requests_as_offline_and_repo
     same 400 naming its blocks in both, four concurrent chats (each needs most of the pool: they wait for blocks,
     not rows) are answered as ``LLM.generate`` answers them, and at the end only the prefix cache
     holds blocks (none here: the embedded model is bidirectional)."""
-    from concurrent.futures import ThreadPoolExecutor
     from pathlib import Path
 
     import openai
@@ -372,7 +371,7 @@ def test_serve_on_a_paged_budget_answers_concurrent_requests_as_offline_and_repo
     params = SamplingParams(strategy="threshold", block_length=8, gen_length=16)
     try:
         assert s.metric("dinfer_kv_blocks") == 10 and s.metric("dinfer_kv_pool_rows") == 8
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client = s.openai_client()
         model = client.models.list().data[0].id
         items = task.heldout(4)
         with pytest.raises(openai.BadRequestError) as refused:  # 2 + 48 positions: 13 blocks of 4 > 10
@@ -380,12 +379,7 @@ def test_serve_on_a_paged_budget_answers_concurrent_requests_as_offline_and_repo
         why = str(refused.value)
         assert "need 13 KV blocks of 4 positions" in why and "the whole KV pool holds 10" in why, why
 
-        def ask(letters: str) -> str:
-            r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": letters}])
-            return r.choices[0].message.content
-
-        with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(ask, [item.letters for item in items]))
+        answers = s.chats([item.letters for item in items])
         for item, got in zip(items, answers):
             assert got == llm.generate([item.letters], params)[0].text, item.letters
         assert s.metric("dinfer_kv_blocks_used") == 0

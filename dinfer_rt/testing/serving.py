@@ -85,3 +85,25 @@ class ServerProcess:
                 self.proc.wait()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+
+    def openai_client(self, timeout: float = 120):
+        """The official ``openai`` client on this server, with no retries (a test sees every error)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+    def chats(self, contents: list[str], **body) -> list[str]:
+        """One single-turn chat per content, sent at once (the official client, one thread each);
+        the answers in the same order. ``body``: extra request fields."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        client = self.openai_client()
+        model = client.models.list().data[0].id
+
+        def ask(content: str) -> str:
+            messages = [{"role": "user", "content": content}]
+            r = client.chat.completions.create(model=model, messages=messages, extra_body=body or None)
+            return r.choices[0].message.content
+
+        with ThreadPoolExecutor(max(1, len(contents))) as pool:
+            return list(pool.map(ask, contents))
