@@ -24,6 +24,26 @@ def _isolate_backend_env(monkeypatch):
     os.environ.pop("DINFER_BACKEND", None)  # select_backend writes its resolved choice back
 
 
+def _vector_builds() -> list[tuple[str, ...]]:
+    """The CPU native library's builds this CPU runs whose register tiles differ: -march=native,
+    then each narrower vector width it can fall back to (AVX2 without AVX-512, SSE without AVX),
+    so every width's tiles are checked on every x86 machine CI lands on."""
+    from dinfer_rt.backends.cpu import native
+
+    flags = native._cpu_flags().split()
+    return [()] + [(f"-mno-{isa}",) for isa in ("avx512f", "avx") if isa in flags]
+
+
+@pytest.fixture(scope="module", params=_vector_builds(), ids=lambda flags: " ".join(flags) or "march-native")
+def native_build(request):
+    """The native library built for one vector width (``native.Native``); a failed build fails."""
+    from dinfer_rt.backends.cpu import native
+
+    built = native.build(request.param) if request.param else native.load()
+    assert built.lib is not None, built.reason  # CI has a C compiler: a missing build is a failure
+    return built
+
+
 @pytest.fixture(scope="session")
 def ckpt_dir(tmp_path_factory):
     """Build each tiny checkpoint once per session: ckpt_dir(name) -> folder."""

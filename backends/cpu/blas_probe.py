@@ -38,10 +38,10 @@ def main(argv: list[str]) -> int:
     lib = ctypes.CDLL(library)
     sgemm = getattr(ctypes.CDLL(blas_path), symbol)
     lib.dinfer_set_blas.argtypes = [_P]
-    lib.dinfer_xt_min_rows.restype = _I
+    lib.dinfer_xt_min_rows.restype = lib.dinfer_xt_max_rows.restype = _I
     run = lib.dinfer_plan_linear_f32
     run.argtypes, run.restype = [_P, _P, _I, _P], ctypes.c_int
-    if M >= lib.dinfer_xt_min_rows():
+    if lib.dinfer_xt_min_rows() <= M <= lib.dinfer_xt_max_rows():  # an empty range: builds that never take it
         raise SystemExit(f"probe: {M} rows would take the transposed-input GEMM, not the BLAS")
     lib.dinfer_set_blas(ctypes.cast(sgemm, _P).value)
     # Small integers: every correct float32 BLAS gives the exact product.

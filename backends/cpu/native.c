@@ -28,7 +28,7 @@
 #include <omp.h>
 #endif
 
-int dinfer_native_abi(void) { return 10; }
+int dinfer_native_abi(void) { return 11; }
 
 /* Below this much work a kernel stays on the calling thread (an OpenMP fork costs about a
  * microsecond on torch's already-spinning pool): multiply-adds for attention, elements for the
@@ -194,48 +194,77 @@ static inline v8f load8(const float *p) {
 
 static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 
-/* Sixteen floats as one vector (one AVX-512 register; two AVX ones elsewhere). */
-typedef float v16f __attribute__((vector_size(64)));
+/* The register tiles below (attention core, panel GEMM, transposed-input GEMM) are written on
+ * `vf`, the widest vector this build's target holds in one register: 16 floats with AVX-512, 8
+ * with AVX, 4 otherwise (SSE, NEON), VF floats each, NV32 of them per 32 floats. A vector wider
+ * than the hardware's registers is no vector at all to GCC: it lives on the stack and a scalar
+ * times it is sixteen scalar stores and a reload (the first version, written on 64-byte vectors,
+ * ran its GEMMs at 2 GFLOP/s on an AVX2-only Zen 3, 25x under torch's sgemm). Tile rows are
+ * sized to the register file: ROWS x NV32 accumulators plus NV32 loaded vectors fit 32 AVX-512
+ * registers, or (about) 16 AVX ones. */
+#if defined(__AVX512F__)
+#define VF 16
+#elif defined(__AVX__)
+#define VF 8
+#else
+#define VF 4
+#endif
+#define NV32 (32 / VF)
+typedef float vf __attribute__((vector_size(VF * sizeof(float))));
 
-static inline v16f load16(const float *p) {
-    v16f v;
+static inline vf loadv(const float *p) {
+    vf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
-static inline void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
+int dinfer_native_vector_floats(void) { return VF; }
 
 /* The attention core's register tile: ATT_ROWS query rows against 32 keys (or 32 value dims),
- * eight independent vector sums, each key (value) vector loaded once for all the rows: a small
- * GEMM of its own (scores = Q K^T, then out = P V), where one row at a time would reload every
- * key vector per row and wait on a single FMA chain. */
+ * ATT_ROWS x NV32 independent vector sums, each key (value) vector loaded once for all the rows:
+ * a small GEMM of its own (scores = Q K^T, then out = P V), where one row at a time would reload
+ * every key vector per row and wait on a single FMA chain. */
+#if VF == 16
 #define ATT_ROWS 4
+#else
+#define ATT_ROWS 2
+#endif
 
 /* scores[r * SP + j] = q[r * D:] . keys_t[:, j] for the tile's rows and keys_t [D, SP] (SP a
  * multiple of 16, zero past the keys): 32 keys at a time, then 16. */
 static void scores_tile(const float *q, const float *keys_t, int64_t D, int64_t SP, float *scores) {
-    int64_t j0 = 0;
-    for (; j0 + 32 <= SP; j0 += 32) {
-        v16f a[ATT_ROWS][2];
-        for (int r = 0; r < ATT_ROWS; r++) a[r][0] = a[r][1] = (v16f){0};
-        for (int64_t d = 0; d < D; d++) {
-            v16f k0 = load16(keys_t + d * SP + j0), k1 = load16(keys_t + d * SP + j0 + 16);
+    for (int64_t j0 = 0; j0 < SP; j0 += 32) {
+        int nv = SP - j0 >= 32 ? NV32 : NV32 / 2; /* the last 16 keys: half the vectors */
+        vf a[ATT_ROWS][NV32];
+        for (int r = 0; r < ATT_ROWS; r++)
+            for (int v = 0; v < NV32; v++) a[r][v] = (vf){0};
+        if (nv == NV32) {
+            for (int64_t d = 0; d < D; d++) {
+                vf kv[NV32];
+#pragma GCC unroll 8
+                for (int v = 0; v < NV32; v++) kv[v] = loadv(keys_t + d * SP + j0 + v * VF);
 #pragma GCC unroll 4
-            for (int r = 0; r < ATT_ROWS; r++) {
-                float qv = q[r * D + d];
-                a[r][0] += qv * k0, a[r][1] += qv * k1;
+                for (int r = 0; r < ATT_ROWS; r++) {
+                    float qv = q[r * D + d];
+#pragma GCC unroll 8
+                    for (int v = 0; v < NV32; v++) a[r][v] += qv * kv[v];
+                }
+            }
+        } else {
+            for (int64_t d = 0; d < D; d++) {
+                vf kv[NV32 / 2];
+#pragma GCC unroll 4
+                for (int v = 0; v < NV32 / 2; v++) kv[v] = loadv(keys_t + d * SP + j0 + v * VF);
+#pragma GCC unroll 4
+                for (int r = 0; r < ATT_ROWS; r++) {
+                    float qv = q[r * D + d];
+#pragma GCC unroll 4
+                    for (int v = 0; v < NV32 / 2; v++) a[r][v] += qv * kv[v];
+                }
             }
         }
-        for (int r = 0; r < ATT_ROWS; r++) store16(scores + r * SP + j0, a[r][0]), store16(scores + r * SP + j0 + 16, a[r][1]);
-    }
-    if (j0 < SP) { /* the last 16 keys */
-        v16f a[ATT_ROWS];
-        for (int r = 0; r < ATT_ROWS; r++) a[r] = (v16f){0};
-        for (int64_t d = 0; d < D; d++) {
-            v16f k0 = load16(keys_t + d * SP + j0);
-#pragma GCC unroll 4
-            for (int r = 0; r < ATT_ROWS; r++) a[r] += q[r * D + d] * k0;
-        }
-        for (int r = 0; r < ATT_ROWS; r++) store16(scores + r * SP + j0, a[r]);
+        for (int r = 0; r < ATT_ROWS; r++)
+            for (int v = 0; v < nv; v++) storev(scores + r * SP + j0 + v * VF, a[r][v]);
     }
 }
 
@@ -245,27 +274,40 @@ static void weighted_tile(const float *w, int64_t SP, const float *values, int64
                           const float *scale, float *const *out, int rows) {
     int64_t d0 = 0;
     for (; d0 + 32 <= D; d0 += 32) {
-        v16f a[ATT_ROWS][2];
-        for (int r = 0; r < ATT_ROWS; r++) a[r][0] = a[r][1] = (v16f){0};
+        vf a[ATT_ROWS][NV32];
+        for (int r = 0; r < ATT_ROWS; r++)
+            for (int v = 0; v < NV32; v++) a[r][v] = (vf){0};
         for (int64_t j = 0; j < S; j++) {
-            v16f v0 = load16(values + j * stride + d0), v1 = load16(values + j * stride + d0 + 16);
+            vf vv[NV32];
+#pragma GCC unroll 8
+            for (int v = 0; v < NV32; v++) vv[v] = loadv(values + j * stride + d0 + v * VF);
 #pragma GCC unroll 4
             for (int r = 0; r < ATT_ROWS; r++) {
                 float wv = w[r * SP + j];
-                a[r][0] += wv * v0, a[r][1] += wv * v1;
+#pragma GCC unroll 8
+                for (int v = 0; v < NV32; v++) a[r][v] += wv * vv[v];
             }
         }
-        for (int r = 0; r < rows; r++) store16(out[r] + d0, a[r][0] * scale[r]), store16(out[r] + d0 + 16, a[r][1] * scale[r]);
+        for (int r = 0; r < rows; r++)
+            for (int v = 0; v < NV32; v++) storev(out[r] + d0 + v * VF, a[r][v] * scale[r]);
     }
     for (; d0 + 16 <= D; d0 += 16) {
-        v16f a[ATT_ROWS];
-        for (int r = 0; r < ATT_ROWS; r++) a[r] = (v16f){0};
+        vf a[ATT_ROWS][NV32 / 2];
+        for (int r = 0; r < ATT_ROWS; r++)
+            for (int v = 0; v < NV32 / 2; v++) a[r][v] = (vf){0};
         for (int64_t j = 0; j < S; j++) {
-            v16f v0 = load16(values + j * stride + d0);
+            vf vv[NV32 / 2];
 #pragma GCC unroll 4
-            for (int r = 0; r < ATT_ROWS; r++) a[r] += w[r * SP + j] * v0;
+            for (int v = 0; v < NV32 / 2; v++) vv[v] = loadv(values + j * stride + d0 + v * VF);
+#pragma GCC unroll 4
+            for (int r = 0; r < ATT_ROWS; r++) {
+                float wv = w[r * SP + j];
+#pragma GCC unroll 4
+                for (int v = 0; v < NV32 / 2; v++) a[r][v] += wv * vv[v];
+            }
         }
-        for (int r = 0; r < rows; r++) store16(out[r] + d0, a[r] * scale[r]);
+        for (int r = 0; r < rows; r++)
+            for (int v = 0; v < NV32 / 2; v++) storev(out[r] + d0 + v * VF, a[r][v] * scale[r]);
     }
     for (; d0 < D; d0++)
         for (int r = 0; r < rows; r++) {
@@ -464,7 +506,11 @@ void dinfer_set_blas(void *sgemm) { blas_sgemm = (sgemm_fn)sgemm; }
  * on the 2-core EPYC (Zen 4) here, one thread: 1024 x 192 weights at 21 rows 83 vs 115 us for
  * torch's MKL sgemm, 4096 x 768 at 21 rows 1.6 vs 3.4 ms, at 1050 rows 64 vs 87 ms. */
 #define PANEL 32
+#if VF == 16
 #define TILE_ROWS 6
+#else
+#define TILE_ROWS 3
+#endif
 
 int64_t dinfer_panel_floats(int64_t n, int64_t k) { return (n + PANEL - 1) / PANEL * PANEL * k; }
 
@@ -479,34 +525,37 @@ void dinfer_pack_panels(const float *w, int64_t n, int64_t k, float *panels) {
 
 /* One tile: `rows` (<= TILE_ROWS) rows of x against one panel; `cols` (<= PANEL) columns kept. */
 static void panel_tile(const float *x, int64_t k, int rows, const float *panel, float *y, int64_t ldy, int64_t cols) {
-    v16f acc[TILE_ROWS][2];
-    for (int r = 0; r < TILE_ROWS; r++) acc[r][0] = acc[r][1] = (v16f){0};
+    vf acc[TILE_ROWS][NV32];
+    for (int r = 0; r < TILE_ROWS; r++)
+        for (int v = 0; v < NV32; v++) acc[r][v] = (vf){0};
     if (rows == TILE_ROWS) { /* the common case, fully unrolled */
         for (int64_t i = 0; i < k; i++) {
-            v16f w0 = load16(panel + i * PANEL), w1 = load16(panel + i * PANEL + 16);
+            vf wv[NV32];
+#pragma GCC unroll 8
+            for (int v = 0; v < NV32; v++) wv[v] = loadv(panel + i * PANEL + v * VF);
 #pragma GCC unroll 6
             for (int r = 0; r < TILE_ROWS; r++) {
                 float xv = x[r * k + i];
-                acc[r][0] += xv * w0, acc[r][1] += xv * w1;
+#pragma GCC unroll 8
+                for (int v = 0; v < NV32; v++) acc[r][v] += xv * wv[v];
             }
         }
     } else {
         for (int64_t i = 0; i < k; i++) {
-            v16f w0 = load16(panel + i * PANEL), w1 = load16(panel + i * PANEL + 16);
+            vf wv[NV32];
+#pragma GCC unroll 8
+            for (int v = 0; v < NV32; v++) wv[v] = loadv(panel + i * PANEL + v * VF);
             for (int r = 0; r < rows; r++) {
                 float xv = x[r * k + i];
-                acc[r][0] += xv * w0, acc[r][1] += xv * w1;
+#pragma GCC unroll 8
+                for (int v = 0; v < NV32; v++) acc[r][v] += xv * wv[v];
             }
         }
     }
     for (int r = 0; r < rows; r++) {
-        if (cols == PANEL) {
-            store16(y + r * ldy, acc[r][0]), store16(y + r * ldy + 16, acc[r][1]);
-        } else {
-            float tmp[PANEL];
-            store16(tmp, acc[r][0]), store16(tmp + 16, acc[r][1]);
-            memcpy(y + r * ldy, tmp, (size_t)cols * sizeof(float));
-        }
+        float tmp[PANEL], *dst = cols == PANEL ? y + r * ldy : tmp;
+        for (int v = 0; v < NV32; v++) storev(dst + v * VF, acc[r][v]);
+        if (cols < PANEL) memcpy(y + r * ldy, tmp, (size_t)cols * sizeof(float));
     }
 }
 
@@ -518,40 +567,43 @@ static void panel_tile(const float *x, int64_t k, int rows, const float *panel, 
  * xt stays in L2. linear_rows uses it for XT_MIN_ROWS..XT_MAX_ROWS rows (below). Measured on the
  * 2-core EPYC (Zen 4) here, two threads: 2304 x 768 at 32 rows 0.58 vs 1.06 ms for torch's MKL
  * sgemm, 4096 x 768 at 32 rows 1.12 vs 2.40 ms, 32000 x 768 (an LM head) 9.5 vs 26.9 ms. */
+#if VF == 16
 #define XT_ROWS 12
+#else
+#define XT_ROWS 3
+#endif
 #define SPLIT_MIN_WORK (1 << 16) /* multiply-adds below which a projection stays on one thread */
 #define XT_CHUNK_FLOATS (1 << 16) /* xt floats per row chunk (256 KB) */
 
 static void xt_tile(const float *w, int64_t k, const float *xt, int64_t ld, int vecs, int nr, float *yt) {
-    v16f acc[XT_ROWS][2];
-    for (int r = 0; r < XT_ROWS; r++) acc[r][0] = acc[r][1] = (v16f){0};
-    if (vecs == 2 && nr == XT_ROWS) { /* the common case, fully unrolled */
+    vf acc[XT_ROWS][NV32];
+    for (int r = 0; r < XT_ROWS; r++)
+        for (int v = 0; v < NV32; v++) acc[r][v] = (vf){0};
+    int nv = vecs == 2 ? NV32 : NV32 / 2; /* 32 input rows, or the last 16 */
+    if (nv == NV32 && nr == XT_ROWS) { /* the common case, fully unrolled */
         for (int64_t i = 0; i < k; i++) {
-            v16f a = load16(xt + i * ld), b = load16(xt + i * ld + 16);
+            vf xv[NV32];
+#pragma GCC unroll 8
+            for (int v = 0; v < NV32; v++) xv[v] = loadv(xt + i * ld + v * VF);
 #pragma GCC unroll 12
             for (int r = 0; r < XT_ROWS; r++) {
                 float wv = w[r * k + i];
-                acc[r][0] += wv * a, acc[r][1] += wv * b;
-            }
-        }
-    } else if (vecs == 2) {
-        for (int64_t i = 0; i < k; i++) {
-            v16f a = load16(xt + i * ld), b = load16(xt + i * ld + 16);
-            for (int r = 0; r < nr; r++) {
-                float wv = w[r * k + i];
-                acc[r][0] += wv * a, acc[r][1] += wv * b;
+#pragma GCC unroll 8
+                for (int v = 0; v < NV32; v++) acc[r][v] += wv * xv[v];
             }
         }
     } else {
         for (int64_t i = 0; i < k; i++) {
-            v16f a = load16(xt + i * ld);
-            for (int r = 0; r < nr; r++) acc[r][0] += w[r * k + i] * a;
+            vf xv[NV32];
+            for (int v = 0; v < nv; v++) xv[v] = loadv(xt + i * ld + v * VF);
+            for (int r = 0; r < nr; r++) {
+                float wv = w[r * k + i];
+                for (int v = 0; v < nv; v++) acc[r][v] += wv * xv[v];
+            }
         }
     }
-    for (int r = 0; r < nr; r++) {
-        store16(yt + r * 32, acc[r][0]);
-        if (vecs == 2) store16(yt + r * 32 + 16, acc[r][1]);
-    }
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < nv; v++) storev(yt + r * 32 + v * VF, acc[r][v]);
 }
 
 int dinfer_xt_linear_f32(const float *w, int64_t n, int64_t k, const float *x, int64_t rows, float *y) {
@@ -705,9 +757,17 @@ typedef struct {
 
 /* Rows the transposed-input GEMM takes: below 8 its 16-row tiles are mostly padding (torch's sgemm
  * ran 1-4 rows of a 2304 x 768 weight 1.2-2.4x faster), above 128 sgemm was as fast or faster
- * (down projections, k 2048). */
+ * (down projections, k 2048). Only AVX-512 builds take it: with 16 AVX registers its tile is 3
+ * weight rows, and on the AVX2 Zen 3 here (one thread) it ran level with MKL's sgemm at 32 rows
+ * of a 2304 x 768 weight (1.68 vs 1.73 ms) and slower at 40 x 512 x 192 (315 vs 127 us) or 64
+ * rows (3.7 vs 3.3 ms); the embedded model's batch-8 step went 21.4 -> 18.4 ms without it. */
+#if VF == 16
 #define XT_MIN_ROWS 8
 #define XT_MAX_ROWS 128
+#else
+#define XT_MIN_ROWS 1
+#define XT_MAX_ROWS 0
+#endif
 int64_t dinfer_xt_min_rows(void) { return XT_MIN_ROWS; }
 int64_t dinfer_xt_max_rows(void) { return XT_MAX_ROWS; }
 

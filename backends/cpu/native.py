@@ -47,7 +47,7 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-fno-math-er
 # then shares with us (one thread pool). Without OpenMP support the build is retried without it.
 OPENMP_FLAGS = ("-fopenmp",)
 OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
-ABI = 10
+ABI = 11
 # The native attention core splits its (row, kv head) pairs over torch's OpenMP threads and
 # computes each pair's scores and outputs in register tiles of 4 query rows x 32 keys (values).
 # Against native rotary + torch's SDPA, one call, 2 threads (session 17): 52 keys, 6 heads of 32:
@@ -81,6 +81,7 @@ _SIGNATURES |= {
     "dinfer_xt_min_rows": [],
     "dinfer_xt_max_rows": [],
     "dinfer_bf16_panels": [],
+    "dinfer_native_vector_floats": [],
     "dinfer_plan_linear_f32": [_P, _P, _I, _P],
     "dinfer_panel_bf16_halves": [_I, _I],
     "dinfer_pack_panels_bf16": [_P, _I, _I, _P],
@@ -92,6 +93,7 @@ _RETURNS = {
 _RETURNS |= {"dinfer_xt_linear_f32": ctypes.c_int}
 _RETURNS |= {name: _I for name in ("dinfer_panel_floats", "dinfer_xt_min_rows", "dinfer_xt_max_rows")}
 _RETURNS |= {"dinfer_lm_head_confidence_f32": ctypes.c_int}
+_RETURNS |= {"dinfer_native_vector_floats": ctypes.c_int}
 _RETURNS |= {"dinfer_bf16_panels": ctypes.c_int, "dinfer_panel_bf16_halves": _I, "dinfer_plan_linear_f32": ctypes.c_int}
 
 
@@ -181,13 +183,20 @@ def load() -> Native:
     """The native library, built on first use; never raises (the reason says what went wrong)."""
     if (os.environ.get(envs.DINFER_CPU_NATIVE) or "1").strip().lower() in ("0", "false", "no", "off"):
         return Native(None, f"off ({envs.DINFER_CPU_NATIVE}=0)")
+    return build()
+
+
+def build(extra_flags: tuple[str, ...] = ()) -> Native:
+    """Build (or find in the cache) and load the library, ``extra_flags`` after ``FLAGS``: the
+    tests build it once more with ``-mno-avx512f`` / ``-mno-avx`` to check each vector width's
+    register tiles on one machine. Never raises."""
     cc, version = _compiler()
     if cc is None:
         return Native(None, version)
-    threaded = _open(cc, version, FLAGS + OPENMP_FLAGS)
+    threaded = _open(cc, version, FLAGS + extra_flags + OPENMP_FLAGS)
     if threaded.lib is not None:
         return threaded
-    plain = _open(cc, version, FLAGS)  # no OpenMP in this toolchain (or its runtime does not load)
+    plain = _open(cc, version, FLAGS + extra_flags)  # no OpenMP in this toolchain (or its runtime does not load)
     if plain.lib is None:
         return plain
     return Native(plain.lib, f"{plain.reason[:-1]}, one thread: the OpenMP build failed: {threaded.reason})")
@@ -219,9 +228,11 @@ def _open(cc: str, version: str, flags: tuple[str, ...]) -> Native:
             how += f", one thread: a second OpenMP runtime ({', '.join(sorted(runtimes))})"
         else:
             how += ", OpenMP threads shared with torch"
+    low, high = int(lib.dinfer_xt_min_rows()), int(lib.dinfer_xt_max_rows())
+    xt = f"else a transposed-input GEMM at {low}-{high} rows, for other row counts" if low <= high else "else"
     blocks = (
-        f"layer blocks: panel GEMM for packed weights ({envs.DINFER_CPU_PACKED_WEIGHTS}), else a transposed-input "
-        f"GEMM at 8-128 rows, for other row counts {found.reason}; "
+        f"layer blocks: {lib.dinfer_native_vector_floats() * 32}-bit vectors; panel GEMM for packed weights "
+        f"({envs.DINFER_CPU_PACKED_WEIGHTS}), {xt} {found.reason}; "
         f"{envs.DINFER_CPU_MATMUL}=bf16 {'available' if lib.dinfer_bf16_panels() else 'unavailable (no AVX512-BF16)'}"
         if found.sgemm is not None
         else f"layer blocks and their GEMMs off: {found.reason}"
@@ -307,8 +318,9 @@ class NativeKernels:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """x W^T (+ b) through the transposed-input GEMM (W read where it lies, no packed copy):
-        float32, ``xt_rows`` rows (8..128) and at least ``XT_MIN_WORK`` multiply-adds, where it
-        beat torch's sgemm here; None otherwise (the caller runs ``F.linear``)."""
+        float32, ``xt_rows`` rows (8..128 in AVX-512 builds, none in narrower ones) and at least
+        ``XT_MIN_WORK`` multiply-adds, where it beat torch's sgemm; None otherwise (the caller
+        runs ``F.linear``)."""
         if not (_rows(x) and _rows(weight)) or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
             return None
         n, k = weight.shape
