@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import dinfer_rt
+from dinfer_rt import asgi
 from dinfer_rt.engine import Engine, EngineClosed, QueueFull, Request
 from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import DinferError, GenerationError
@@ -536,7 +537,7 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
     is its :class:`EngineLoop`, started on its own thread with the app's lifespan when
     ``engine_thread`` (else the caller runs ``app.state.loop.run()``)."""
     fastapi, _, _ = _need_serve_extra()
-    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
     config.check()
     if isinstance(model, Model):  # the pool is checked before it is allocated (replicas: in cmd_serve)
@@ -577,9 +578,6 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
             loop_holder.start_thread()
         yield
         await asyncio.get_running_loop().run_in_executor(None, loop_holder.drain, config.drain_timeout)
-
-    app = fastapi.FastAPI(title="dinfer-rt", lifespan=lifespan)
-    app.state.engine, app.state.metrics, app.state.serve, app.state.loop = engine, metrics, state, loop_holder
 
     def error(e: ApiError, headers: dict | None = None) -> Response:
         # ASCII JSON: a client's lone surrogate echoed in a message stays encodable
@@ -626,30 +624,28 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
             return ApiError(503, f"the engine is unavailable: {req.error}", None, "server_error")
         return ApiError(500, f"the engine step failed: {type(req.error).__name__}: {req.error}", None, "server_error")
 
-    async def body_of(request) -> tuple[object, int]:
+    async def body_of(receive) -> tuple[object, int]:
         """The body, read up to ``max_request_bytes`` (past it: 413, the rest read and dropped so
         the client gets the answer) and parsed as JSON (on a worker thread past
         ``INLINE_BODY_BYTES``); returns it and its size in bytes."""
-        limit, size, parts = config.max_request_bytes, 0, []
-        async for part in request.stream():
-            size += len(part)
-            if size <= limit:
-                parts.append(part)
-            elif size > limit + _DRAIN_BYTES:  # stop reading a flood; the connection closes
-                break
+        limit = config.max_request_bytes
+        raw, size = await asgi.read_body(receive, limit, _DRAIN_BYTES)
         if size > limit:
             raise ApiError(
                 413, f"the request body is {size}{'+' if size > limit + _DRAIN_BYTES else ''} bytes; this server "
                 f"accepts at most {limit} (--max-request-bytes)", None,
             )  # fmt: skip
-        raw = b"".join(parts)
         if size <= INLINE_BODY_BYTES:
             return _json_body(raw), size
         return await asyncio.to_thread(_json_body, raw), size
 
-    async def complete(request, chat: bool):
+    async def send_error(send, e: ApiError) -> None:
+        await asgi.send_body(send, e.status, json.dumps(e.body()).encode())  # ASCII JSON, as error()
+
+    async def complete(_scope, receive, send, chat: bool) -> None:
+        """POST /v1/completions and /v1/chat/completions (a plain ASGI handler, ``asgi.py``)."""
         try:
-            body, size = await body_of(request)
+            body, size = await body_of(receive)
             validate = functools.partial(
                 parse, body, chat=chat, tokenizer=tok, defaults=defaults, model_name=config.model_name,
                 max_len=engine.max_model_len, chars_per_token=per_token, mask_id=mask_id,
@@ -663,25 +659,30 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
             reqs = submit(sub, [_Stream(relay, here, sub.stream, i, queue) for i in range(len(sub.prompts))])
         except ApiError as e:
             count_answered()
-            return error(e)
-        rid = new_id(chat)
-        if sub.stream:
-            return StreamingResponse(
-                _events(request, reqs, queue, sub, rid, chat), media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )  # fmt: skip
+            return await send_error(send, e)
+        except asgi.ClientGone:  # nobody to answer
+            count_answered()
+            return
+        # a client that goes away cancels its rows: the watcher wakes the wait below with GONE
+        watcher = asgi.watch_disconnect(receive, functools.partial(queue.put_nowait, GONE))
+        try:
+            if sub.stream:
+                return await _stream(send, reqs, queue, sub, new_id(chat), chat)
+            await _answer(send, reqs, queue, sub, new_id(chat), chat)
+        finally:
+            watcher.cancel()
+
+    async def _answer(send, reqs: list[Request], queue: asyncio.Queue, sub: Submission, rid: str, chat: bool):
+        """A whole (non-streamed) answer, once every choice finished."""
         try:
             running = len(reqs)
             while running:
-                try:
-                    event = await asyncio.wait_for(queue.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        for req in reqs:
-                            engine.abort(req.id)
-                        loop_holder.wake.set()
-                        return error(ApiError(499, "client disconnected"))
-                    continue
+                event = await queue.get()
+                if event is GONE:
+                    for req in reqs:
+                        engine.abort(req.id)
+                    loop_holder.wake.set()
+                    return
                 running -= event[1] == "finish"
         finally:
             count_answered()
@@ -689,15 +690,16 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
             _first_text(metrics, req)
         failed = next((req for req in reqs if req.finish_reason in ("error", "abort")), None)
         if failed is not None:
-            return error(failure(failed))
+            return await send_error(send, failure(failed))
         echo = sub.echo or [""] * len(reqs)
         answers = [(shown + req.text, _openai_reason(req)) for shown, req in zip(echo, reqs)]
         lps = None
         if sub.params.logprobs is not None:  # each choice's answer tokens
             lps = [choice_logprobs(tok, chat, r.output_ids, r.logprobs, r.top_logprobs) for r in reqs]
-        return response(rid, config.model_name, chat, answers, _usage(reqs, sub), lps)
+        answer = response(rid, config.model_name, chat, answers, _usage(reqs, sub), lps)
+        await asgi.send_body(send, 200, _json_bytes(answer))
 
-    async def _events(request, reqs: list[Request], queue: asyncio.Queue, sub: Submission, rid: str, chat: bool):
+    async def _stream(send, reqs: list[Request], queue: asyncio.Queue, sub: Submission, rid: str, chat: bool):
         """The SSE stream of one request: a chunk per choice whenever its final text grew."""
         name, first = config.model_name, True
         sent, done = [0] * len(reqs), [False] * len(reqs)
@@ -712,6 +714,7 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
         # the usage and [DONE]) leave as one body message: one write and one client wake-up, not one each
         out: list[str] = []
         try:
+            await send({"type": "http.response.start", "status": 200, "headers": asgi.SSE_HEADERS})
             if chat:
                 out.append(_sse(chunk(rid, name, chat, None, None, use=use(0, 0))))
             for i, shown in enumerate(sub.echo or []):  # echo: the prompt comes first
@@ -719,11 +722,13 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
             failed = False
             while not all(done) and not failed:
                 if out:
-                    yield "".join(out)
+                    await send({"type": "http.response.body", "body": "".join(out).encode(), "more_body": True})
                     out = []
                 events = [await queue.get()]
                 while not queue.empty():
                     events.append(queue.get_nowait())
+                if GONE in events:  # the client went away: its rows are freed below
+                    return
                 if not sub.return_canvas:  # only the newest final text of each choice matters (a finish is its last)
                     events = sorted({e[0]: e for e in events}.values(), key=lambda e: e[0])
                 for i, event, final, canvas, provisional in events:
@@ -762,21 +767,24 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
             if not failed and sub.include_usage:
                 out.append(_sse(usage_chunk(rid, name, chat, _usage(reqs, sub))))
             out.append("data: [DONE]\n\n")
-            yield "".join(out)
-        finally:  # a client that went away: the generator is closed; free its rows
+            await send({"type": "http.response.body", "body": "".join(out).encode()})
+        finally:  # a client that went away, or a failure: free the rows still running
             for req in reqs:
                 if not req.done:
                     engine.abort(req.id)
             loop_holder.wake.set()
             count_answered()
 
-    @app.post("/v1/completions")
-    async def completions(request: fastapi.Request):
-        return await complete(request, chat=False)
+    def error_body(status: int, message: str) -> bytes:  # the fast paths' 405 / 500 (asgi.py)
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return json.dumps(ApiError(status, message[:SHOWN_CHARS], None, kind).body()).encode()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: fastapi.Request):
-        return await complete(request, chat=True)
+    fast = {
+        "/v1/completions": functools.partial(complete, chat=False),
+        "/v1/chat/completions": functools.partial(complete, chat=True),
+    }  # the generation endpoints: plain ASGI, ahead of FastAPI's stack (asgi.py says why)
+    app = asgi.fast_path_app(fastapi.FastAPI, fast, error_body, title="dinfer-rt", lifespan=lifespan)
+    app.state.engine, app.state.metrics, app.state.serve, app.state.loop = engine, metrics, state, loop_holder
 
     def card() -> dict:
         return {
@@ -902,6 +910,14 @@ def _tokens_within(tok, ids: list[int], chars: int) -> int:
 
 def _canvas(tok, ids: list[int], mask_id: int) -> str:
     return "".join(MASK_MARK if i == mask_id else tok.decode([i]) for i in ids)
+
+
+GONE = (-1, "gone", None, None, None)  # in a request's event queue: its client went away
+
+
+def _json_bytes(obj: dict) -> bytes:
+    """A response body as FastAPI's JSONResponse encodes it (UTF-8, compact, no NaN)."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def _sse(obj: dict) -> str:

@@ -166,6 +166,33 @@ def test_a_client_that_disconnects_frees_its_slot(server):
     assert server.metric("dinfer_running_requests") == 0
 
 
+def test_a_non_streamed_client_that_hangs_up_frees_its_row_at_once(server):
+    """A whole (non-streamed) answer's client that closes the connection while its rows run:
+    the server sees the disconnect when it happens, aborts the rows and sends nothing."""
+    import socket
+    from urllib.parse import urlsplit
+
+    aborted = server.metric('dinfer_requests_total{finish_reason="abort"}')
+    body = json.dumps({"prompt": "<|startoftext|>plmoknijbu=", "max_tokens": 48, "strategy": "low_confidence",
+                       "block_length": 48}).encode()  # fmt: skip
+    where = urlsplit(server.url)
+    with socket.create_connection((where.hostname, where.port), timeout=30) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        deadline = time.time() + 30
+        while server.metric("dinfer_running_requests") < 1 and time.time() < deadline:
+            time.sleep(0.005)
+        assert server.metric("dinfer_running_requests") == 1  # running: 48 one-token steps take a while
+    deadline = time.time() + 30
+    while server.metric('dinfer_requests_total{finish_reason="abort"}') < aborted + 1 and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.metric('dinfer_requests_total{finish_reason="abort"}') == aborted + 1
+    assert server.metric("dinfer_running_requests") == 0
+
+
 BAD = [
     ("completions", {"prompt": "abc", "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": "abc", "max_tokens": 500}, "max_tokens"),
