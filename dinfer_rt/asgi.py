@@ -64,9 +64,21 @@ def watch_disconnect(receive: Receive, on_disconnect: Callable[[], None]) -> asy
     return asyncio.get_running_loop().create_task(watch())
 
 
+async def redirect_without_slash(scope: dict, send: Send) -> None:
+    """A 307 to the path without its trailing slash (``/v1/completions/`` -> ``/v1/completions``),
+    as FastAPI's ``redirect_slashes`` answers for its own routes: 307 keeps the method and body."""
+    location = scope["path"].rstrip("/")
+    if scope.get("query_string"):
+        location += "?" + scope["query_string"].decode("latin-1")
+    headers = [(b"location", location.encode("latin-1")), (b"content-length", b"0")]
+    await send({"type": "http.response.start", "status": 307, "headers": headers})
+    await send({"type": "http.response.body", "body": b""})
+
+
 def fast_path_app(base: type, routes: dict[str, Handler], error_body: Callable[[int, str], bytes], **kwargs):
     """An application of class ``base`` (FastAPI) built with ``kwargs``, whose POST ``routes``
-    (path -> handler) are served before its stack; another method on those paths is a 405. A
+    (path -> handler) are served before its stack; another method on those paths is a 405, the path
+    with a trailing slash a 307 to the route (as FastAPI's own routes answer). A
     handler's exception is logged and answered with a 500 (``error_body(status, message)`` makes
     the bodies) when nothing was sent yet; else the connection closes, as uvicorn does."""
     log = logging.getLogger("uvicorn.error")
@@ -75,6 +87,9 @@ def fast_path_app(base: type, routes: dict[str, Handler], error_body: Callable[[
         async def __call__(self, scope, receive, send) -> None:
             handler = routes.get(scope["path"]) if scope["type"] == "http" else None
             if handler is None:
+                path = scope.get("path", "")
+                if scope["type"] == "http" and path.endswith("/") and path.rstrip("/") in routes:
+                    return await redirect_without_slash(scope, send)
                 return await super().__call__(scope, receive, send)
             if scope["method"] != "POST":
                 body = error_body(405, f"method not allowed: {scope['method']} {scope['path']}")

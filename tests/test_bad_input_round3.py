@@ -161,6 +161,20 @@ def test_the_openai_client_with_its_neutral_arguments_is_answered(server):
     assert r.choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.parametrize("path", ["/v1/completions/", "/v1/chat/completions/"])
+def test_a_trailing_slash_is_redirected_to_the_route_keeping_the_method(server, path):
+    """307 to the route without the slash, query kept, as FastAPI answers for its own routes (the
+    generation endpoints are served ahead of FastAPI: ``asgi.py``); a client that follows it gets
+    the answer."""
+    body = {"prompt": "ab"} if path == "/v1/completions/" else {"messages": [{"role": "user", "content": "ab"}]}
+    r = httpx.post(server.url + path + "?x=1", json=body, timeout=60)
+    assert r.status_code == 307, r.text
+    assert httpx.URL(server.url + path).join(r.headers["location"]) == httpx.URL(server.url + path[:-1] + "?x=1")
+    r = httpx.post(server.url + path, json=body, timeout=60, follow_redirects=True)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+
+
 def test_a_huge_request_does_not_hold_up_other_clients(server):
     """An 8 MB body (413) and a 3 MB prompt (400 from its length alone) while /health is polled:
     neither may stall the event loop (tokenising 3 MB took ~10 s on the loop before)."""
