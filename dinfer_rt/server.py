@@ -210,6 +210,12 @@ def chars_per_token(tok) -> int | None:
     return longest
 
 
+IDLE_WAIT_S = 1.0
+"""How long an idle engine loop sleeps between checks when nothing wakes it: every event that
+gives it work sets ``EngineLoop.wake``, so this only bounds a missed one (an idle server wakes
+once a second, not 20 times: its CPU between requests is what a low load pays per request)."""
+
+
 class EngineLoop:
     """Steps the engine while there is work and sleeps on an event otherwise.
 
@@ -244,7 +250,7 @@ class EngineLoop:
                 self.failure = "every engine replica has died: " + self.engine.death_reason()
                 break
             if not self.engine.has_work() and replicas is None:  # a replica pool's step waits for events itself
-                self.wake.wait(0.05)
+                self.wake.wait(IDLE_WAIT_S)  # a submit, a signal, a drain or the HTTP thread's end sets it
                 self.wake.clear()
                 continue
             t0 = time.perf_counter()
@@ -940,7 +946,14 @@ def serve(model, defaults: SamplingParams, config: ServeConfig) -> int:
     )  # fmt: skip
     app.state.serve["server"] = server
     loop: EngineLoop = app.state.loop
-    http = threading.Thread(target=server.run, name="dinfer-http", daemon=True)
+
+    def run_http() -> None:
+        try:
+            server.run()
+        finally:  # the engine loop, sleeping while idle, sees the HTTP server's end at once
+            loop.wake.set()
+
+    http = threading.Thread(target=run_http, name="dinfer-http", daemon=True)
     loop.watch = http
 
     def on_signal(_sig, _frame) -> None:

@@ -154,7 +154,7 @@ def replica_main(
     lost_peer = False
     try:
         while os.getppid() == parent:  # an orphaned replica (the front end was killed) exits
-            commands = _take_commands(inbox, engine.has_work())
+            commands = _take_commands(inbox, engine.has_work(), IDLE_WAIT_S if runner is None else TP_IDLE_WAIT_S)
             if _apply(commands, engine, events):
                 return
             report = None
@@ -216,11 +216,19 @@ def _exit_when_orphaned(index: int, tp_rank: int) -> None:
     threading.Thread(target=watch, name=f"dinfer-orphan-watch-{index}-{tp_rank}", daemon=True).start()
 
 
-def _take_commands(inbox, busy: bool) -> list:
-    """The front end's commands waiting in ``inbox`` (blocking up to 50 ms when idle)."""
+IDLE_WAIT_S = 0.5
+"""An idle engine process's (and the front's relay's) wait for the next command or event: a
+command or an event ends it at once, so it only sets how often an idle server wakes (and its CPU
+between requests). A tensor-parallel lead waits ``TP_IDLE_WAIT_S``: each idle turn it tells its
+followers, which must hear from it well within the collective timeout."""
+TP_IDLE_WAIT_S = 0.05
+
+
+def _take_commands(inbox, busy: bool, idle_wait: float = IDLE_WAIT_S) -> list:
+    """The front end's commands waiting in ``inbox`` (blocking up to ``idle_wait`` s when idle)."""
     commands = []
     try:
-        commands.append(inbox.get(timeout=0 if busy else 0.05))
+        commands.append(inbox.get(timeout=0 if busy else idle_wait))
     except queue.Empty:
         pass
     while True:
@@ -517,10 +525,11 @@ class ReplicaPool:
         return RelayedPrefixCache(stats, sum(r["budget"] for r in reports), approximate)
 
     def step(self) -> list[Request]:
-        """Apply the replicas' events and step reports (waiting up to 50 ms for the first);
-        the finished requests."""
+        """Apply the replicas' events and step reports (waiting up to 50 ms for the first, or
+        ``IDLE_WAIT_S`` with no request in flight: a replica's death ends the wait too, its pipe
+        closing); the finished requests."""
         finished: list[Request] = []
-        for index, events, report in self.events.receive(timeout=0.05):
+        for index, events, report in self.events.receive(timeout=0.05 if self.inflight else IDLE_WAIT_S):
             for rid, event, msg in events:
                 self._on_event(index, rid, event, msg, finished)
             if report is not None:
