@@ -52,7 +52,7 @@ from dinfer_rt.openai_protocol import (
 from dinfer_rt.sampling import SamplingParams
 from dinfer_rt.stopping import before_eos, streamable
 from dinfer_rt.strategies import EDITING
-from dinfer_rt.workers import ReplicaError
+from dinfer_rt.workers import ReplicaError, freeze_startup_heap
 
 MASK_MARK = "\u2591"  # how a still-masked position is drawn in a streamed canvas
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
@@ -980,6 +980,7 @@ def serve(model, defaults: SamplingParams, config: ServeConfig) -> int:
         if hasattr(app.state.engine, "prefix_cache_summary"):  # an approximate cache is never silent
             print(app.state.engine.prefix_cache_summary(), flush=True)
         print(f"dinfer-rt serving '{config.model_name}' on http://{config.host}:{config.port}", flush=True)
+        freeze_startup_heap()  # start-up objects live as long as the server: no full collection walks them
         loop.run()
         if loop.failure is not None:  # the engine is gone: say why, stop serving, exit non-zero
             print(f"error: {loop.failure}", file=sys.stderr, flush=True)

@@ -18,6 +18,7 @@ data-parallel replicas are.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import queue
@@ -64,6 +65,21 @@ def _prefix_report(engine) -> dict | None:
     """The engine's prefix-cache stats and budget, to relay (None: it has no prefix cache)."""
     cache = engine.prefix_cache
     return None if cache is None else {**asdict(cache.stats), "budget": cache.budget, "approximate": cache.approximate}
+
+
+def freeze_startup_heap() -> int:
+    """Collect once, then move every object alive now (modules, the model's Python objects, the
+    server's routes and templates) out of the garbage collector's reach; returns how many.
+
+    Why: a serving process keeps its start-up objects for life, yet every full collection walks
+    them all. Measured in ``serve`` on the embedded model: 220k tracked objects, one full
+    collection of 162 ms inside a run of 72 requests (an engine stall, and on a small machine
+    the step of every running row); frozen, ~5k objects stay tracked and that run had no full
+    collection. vLLM's engine core and API server do the same (``gc.freeze`` after start-up).
+    Objects made later are collected as before."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 class ReplicaError(DinferError):
@@ -148,6 +164,7 @@ def replica_main(
     info["kv_pool_summary"] = pool_summary(engine.kv_plan, engine.max_model_len, asked)
     info["prefix_cache_summary"] = engine.prefix_cache_summary()
     outbox.put(("ready", index, {**info, "block_size": engine.block_size, "pid": os.getpid()}))
+    freeze_startup_heap()
 
     events = EventSender(events_conn, index, extra=lambda: {"prefix_cache": _prefix_report(engine)})
 
