@@ -70,6 +70,8 @@ def _prefix_report(engine) -> dict | None:
 def freeze_startup_heap() -> int:
     """Collect once, then move every object alive now (modules, the model's Python objects, the
     server's routes and templates) out of the garbage collector's reach; returns how many.
+    Called by ``serve`` once listening, and by every engine process (lead or tensor-parallel
+    follower) once loaded.
 
     Why: a serving process keeps its start-up objects for life, yet every full collection walks
     them all. Measured in ``serve`` on the embedded model: 220k tracked objects, one full
@@ -144,6 +146,7 @@ def replica_main(
         return
     parent = os.getppid()
     if not lead:
+        freeze_startup_heap()  # a follower's full collection would stall every collective of its group
         try:
             follow(model, group, src, alive=lambda: os.getppid() == parent)
         except RuntimeError:  # a peer rank is gone: the front end names it and stops the group
