@@ -74,9 +74,9 @@ def freeze_startup_heap() -> int:
     follower) once loaded.
 
     Why: a serving process keeps its start-up objects for life, yet every full collection walks
-    them all. Measured in ``serve`` on the embedded model: 220k tracked objects, one full
-    collection of 162 ms inside a run of 72 requests (an engine stall, and on a small machine
-    the step of every running row); frozen, ~5k objects stay tracked and that run had no full
+    them all. Measured in ``serve`` on the embedded model: 220k tracked objects, a full
+    collection of 151-162 ms about once every 70-220 requests (an engine stall, which every
+    running row waits out); frozen, 5-10k objects stay tracked and the same runs had no full
     collection. vLLM's engine core and API server do the same (``gc.freeze`` after start-up).
     Objects made later are collected as before."""
     gc.collect()
