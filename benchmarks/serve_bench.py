@@ -86,9 +86,10 @@ def tree_cpu_s(pid: int, descendants: bool = True) -> float | None:
 
 
 def paced_lone(llm: LLM, prompts: list[str], params: SamplingParams, rate: float, seed: int) -> list[float]:
-    """Lone offline requests at open-loop Poisson arrivals (``rate`` per second, seeded as
-    :func:`load` seeds them), one after another: each latency from its arrival to its end (a
-    request that arrives while the previous one runs waits, as it would in a server's queue).
+    """Lone offline requests at open-loop Poisson arrivals (``rate`` per second, ``seed``: the
+    seed :func:`load` takes for that rate; here every request, the first too, follows an idle
+    gap), one after another: each latency from its arrival to its end (a request that arrives
+    while the previous one runs waits, as it would in a server's queue).
     Why: the low-load server requests arrive after an idle gap, and on a small (virtual) machine
     the first forwards after one are slower whatever runs them (idle cores, caches, clocks); this
     is the same request offline under the same gaps, so the server's own share can be told apart."""
@@ -563,8 +564,8 @@ def main() -> None:
         "",
         f"Offline `LLM.generate` batch {a.max_num_seqs}: {off['tokens_per_s']:.0f} output tok/s "
         f"(accuracy {off['accuracy']:.0%}); the engine in-process (no HTTP, all prompts at once): "
-        f"{off['engine_tokens_per_s']:.0f} tok/s; a lone offline request: {off['lone_p50_s']:.3f} s (median of 8); "
-        + _paced_text(off)
+        f"{off['engine_tokens_per_s']:.0f} tok/s; a lone offline request: {off['lone_p50_s']:.3f} s (median of 8)"
+        + (f"; {_paced_text(off)}" if _paced_text(off) else ". ")
         + f"Offline CPU per request (every thread): {off['lone_cpu_ms']:.1f} ms alone, "
         f"{off['batch_cpu_ms_per_request']:.1f} ms in the batch.",
         f"Padding share of the server's computed query slots: {pad:.1%}.",
