@@ -877,7 +877,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix-cache-bytes",
         type=_int_in(0),
         default=None,
-        help="block prefix cache budget across requests (default: 10%% of free CUDA/ROCm memory, else 1 GiB; 0: off)",
+        help="block prefix cache budget across requests (default: the paged KV pool's bytes, whose blocks it "
+        "shares; with --kv-block-size 0: 10%% of free CUDA/ROCm memory, else 1 GiB; 0: off)",
     )
     sv.add_argument("--no-prefix-cache", action="store_true", help="turn the block prefix cache off")
     sv.add_argument(

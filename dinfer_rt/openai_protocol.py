@@ -54,6 +54,17 @@ DIFFUSION_FIELDS = (
 ).split()
 # EngineArgs fields: engine settings (``serve`` flags), refused in a request body, never ignored.
 ENGINE_FIELDS = ("sync_every", "confidence_head", "max_forward_tokens")
+# The other SamplingParams fields: a request cannot set them (the server's flags do, or an OpenAI
+# field says it), so one in a body is refused with what to use instead, never silently ignored.
+SERVER_SAMPLING_FIELDS = {
+    "gen_length": "the answer's length is 'max_tokens' (or 'max_completion_tokens')",
+    "batch_size": "the server batches the requests it runs (--max-num-seqs)",
+    "chat": "the endpoint decides: /v1/chat/completions applies the chat template, /v1/completions does not",
+    "early_stop": "the server sets it at start-up (--no-early-stop)",
+    "cfg_scale": "classifier-free guidance is the server's setting (--cfg-scale)",
+    "precision_schedule": "the server sets it at start-up (--precision-schedule)",
+    "precision_refresh": "the server sets it at start-up (--precision-refresh)",
+}
 # OpenAI / vLLM fields accepted only at a neutral value (anything else would be ignored silently,
 # a different answer than the client asked for): null, or one of the values clients send by default.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -221,6 +232,9 @@ def parse(
                 flag = "--no-confidence-head"
             why = f"'{name}' is an engine setting, not a request field: the server sets it at start-up ({flag})"
             raise ApiError(400, why, name)
+    for name, instead in SERVER_SAMPLING_FIELDS.items():
+        if name in body:
+            raise ApiError(400, f"'{name}' is not a request field: {instead}", name)
     refuse_misspelt_knobs(body, allowed)
     neutral_values = {**_NEUTRAL, "echo": (False,)} if chat else _NEUTRAL
     for name, neutral in neutral_values.items():

@@ -208,7 +208,27 @@ REFUSED = [
     ("vllm-top-k", False, {"prompt": P1, "top_k": 5}, "top_k", "not supported by this server"),
     ("stop-too-many", False, {"prompt": P1, "stop": ["x"] * 17}, "stop", "at most 16"),
     ("stop-not-strings", False, {"prompt": P1, "stop": [1]}, "stop", "non-empty string"),
+    ("server-setting-cfg-scale", False, {"prompt": P1, "cfg_scale": 2.0}, "cfg_scale", "(--cfg-scale)"),
+    ("server-setting-gen-length", True, {**_chat("ab"), "gen_length": 16}, "gen_length", "'max_tokens'"),
 ]  # fmt: skip
+
+
+def test_every_sampling_field_is_a_request_field_or_refused_by_name():
+    """A SamplingParams field a request cannot set would otherwise be ignored as an unknown field
+    (a different answer than the client asked for, silently): each one is a request field, is
+    refused as an engine or server setting, or is spelt as an OpenAI field (``stop``, ``seed``)."""
+    import dataclasses
+
+    from dinfer_rt import openai_protocol as proto
+
+    kw = dict(tokenizer=LLM().tokenizer, defaults=SamplingParams(), model_name=MODEL, max_len=64)
+    for f in dataclasses.fields(SamplingParams):
+        if f.name in proto.COMPLETION_FIELDS:
+            continue
+        assert f.name in proto.SERVER_SAMPLING_FIELDS or f.name in proto.ENGINE_FIELDS, f.name
+        with pytest.raises(proto.ApiError) as err:
+            proto.parse({"prompt": P1, f.name: getattr(SamplingParams(), f.name)}, chat=False, **kw)
+        assert (err.value.status, err.value.param) == (400, f.name), err.value.message
 
 
 @pytest.mark.parametrize("case", REFUSED, ids=[c[0] for c in REFUSED])

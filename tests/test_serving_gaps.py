@@ -378,3 +378,31 @@ def test_the_docs_table_lists_exactly_these_kv_cases():
     assert set(rows) == {c.id for c in CASES}
     for c in CASES:
         assert rows[c.id] == f"`{c.message}`", c.id
+
+
+SERVER_WIDE = [
+    ("precision-schedule", {"strategy": "threshold", "cache": "dual", "precision_schedule": "int8@0.5,fp32"}),
+    ("guidance", {"strategy": "low_confidence", "cache": "none", "cfg_scale": 1.0}),
+]
+
+
+@pytest.mark.parametrize("name, knobs", SERVER_WIDE, ids=[n for n, _ in SERVER_WIDE])
+def test_a_server_wide_schedule_or_guidance_answers_as_offline_and_a_request_cannot_name_it(name, knobs):
+    """``serve --precision-schedule`` / ``--cfg-scale`` run for every request, answered as
+    ``LLM.generate`` with the same settings; the field in a request body is a 400 naming it (it
+    would otherwise be ignored: a different answer than the client asked for)."""
+    from dinfer_rt.demo import task
+
+    knobs = {**knobs, "block_length": 8, "gen_length": 16}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in knobs.items()]
+    letters = [it.letters for it in task.heldout(3)]
+    want = [o.text for o in dinfer_rt.LLM().generate(letters, SamplingParams(**knobs))]
+    s = ServerProcess(*flags, "--no-prefix-cache", cwd=ROOT, lifetime=120)
+    try:
+        assert s.chats(letters, max_tokens=16) == want
+        field = "precision_schedule" if "precision_schedule" in knobs else "cfg_scale"
+        body = {"messages": [{"role": "user", "content": letters[0]}], field: knobs[field]}
+        r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    finally:
+        s.stop()
