@@ -63,6 +63,12 @@ class Platform:
     def versions(self) -> dict[str, str]:
         return {"torch": torch.__version__}
 
+    def emulation(self) -> str | None:
+        """What stands in for the device when its kernels run emulated (an interpreter, a
+        simulated runtime), or None on the real thing: results stay valid, timings measure the
+        stand-in, so ``validate`` reports no performance for it."""
+        return None
+
     def describe(self) -> str:
         arch = f":{self.arch}" if self.arch else ""
         return f"{self.name}:{self.flavour}{arch}"

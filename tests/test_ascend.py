@@ -57,15 +57,22 @@ def test_ascend_pass_pipeline_keeps_only_its_fusions(ascend, ckpt_dir):
     assert "rope_attention" not in counts and "moe_routed" not in counts and "lm_head_confidence" not in counts
 
 
-def test_model_level_validation_passes_for_every_family(ascend):
-    """The full model-level validation (teacher-forced logits, lock-step decisions, free running,
-    task accuracy on the embedded model; four tiny families) through the simulated operators."""
-    from dinfer_rt.validation.runner import validate
+def test_model_level_validation_passes_for_every_family(ascend, tmp_path):
+    """The model-level validation (teacher-forced logits, lock-step decisions, free running, task
+    accuracy on the embedded model; every tiny family) through the simulated operators: the quick
+    suite, whose tiny family is LLaDA2, then the same family checks on the other three (the full
+    suite's extra items on the embedded model took 4 more minutes and checked nothing new here)."""
+    from dinfer_rt.validation.runner import family_checks, tiny_checkpoints, validate
 
-    report = validate("ascend", quick=False)  # model level in fp32 (npu_fusion_attention), ops in fp32 and bf16
+    report = validate("ascend", quick=True)  # model level in fp32 (npu_fusion_attention), ops in fp32 and bf16
     (result,) = report["results"]
-    assert set(result["models"]) == {"embedded", "llada", "dream", "llada_moe", "llada2"}
+    assert set(result["models"]) == {"embedded", "llada2"}
     assert result["verdict"] == "pass", result["failures"]
+    assert "simulated torch_npu" in result["performance"]["skipped"]  # its timings would be the simulation's
+    for name, path in tiny_checkpoints(tmp_path, quick=False).items():
+        if name != "llada2":
+            checks = family_checks(ascend, path, torch.float32)
+            assert checks and all(c["passed"] for c in checks.values()), (name, checks)
 
 
 def _teacher_forced_ok(ckpt, dtype="bfloat16") -> bool:

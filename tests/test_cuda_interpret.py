@@ -317,6 +317,24 @@ def test_embedded_model_same_greedy_output_as_cpu(cuda):
     assert confidence_graph.op_counts().get("lm_head_confidence") == 1  # the Triton fused head ran
 
 
+def test_the_interpreter_is_named_as_emulation_and_a_report_says_why_no_timings(cuda):
+    """Timings under the interpreter measure the interpreter: the backend says it runs emulated, and
+    validate's report names that instead of a performance table (real kernels: measured)."""
+    from dinfer_rt.validation import markdown
+
+    assert "interpreter" in cuda.emulation() and plugins.select_backend("cpu").emulation() is None
+    header = {"dinfer_rt": "0", "commit": "x", "torch": "t", "python": "p", "platform": "p", "command": "c"}
+    header |= {"seed": 0, "env": {}, "plugins": {}}
+    header["backends"] = [{"name": "cuda", "flavour": "nvidia", "arch": "interpret", "device": "cpu"}]
+    header["backends"][0] |= {"emulation": cuda.emulation(), "versions": {}}
+    result = {"backend": "cuda:nvidia:interpret", "verdict": "pass", "failures": [], "unexpected_passes": []}
+    result |= {"coverage": {"native_node_fraction": 1.0}, "conformance": [], "passes": {"rows": []}}
+    result |= {"models": {}, "precision": {"rows": []}}
+    result["performance"] = {"skipped": "not measured: the kernels ran on X"}
+    text = markdown.render({"verdict": "pass", "quick": True, "dtypes": [], "header": header, "results": [result]})
+    assert "(emulated: Triton's interpreter" in text and "not measured: the kernels ran on X" in text
+
+
 def test_cuda_without_gpu_or_interpreter_is_a_clean_error(monkeypatch):
     monkeypatch.delenv("DINFER_INTERPRET", raising=False)
     plugins.registry.cache_clear()
@@ -550,7 +568,8 @@ def test_graphed_cached_decoding_captures_once_for_many_prompts(cuda, ckpt_dir, 
 def test_scheduler_decides_on_the_device_with_the_same_tokens(cuda, monkeypatch, strategy):
     """With a backend commit kernel, greedy threshold / top-k decoding keeps the sequence on the
     device and decides there (no per-step host sync); tokens equal the host path on cpu, for a
-    padded batch of different prompt lengths with early stop."""
+    padded batch of different prompt lengths with early stop. Top-k commits two tokens a step
+    (20 steps for 40 tokens: half the interpreted forwards of one a step, and k > 1 on the kernel)."""
     from dinfer_rt.backends.triton import ops as cuda_ops
     from dinfer_rt.demo import task
 
@@ -559,7 +578,10 @@ def test_scheduler_decides_on_the_device_with_the_same_tokens(cuda, monkeypatch,
     monkeypatch.setattr(cuda_ops, "commit", lambda *a, **k: calls.append(k["rule"]) or real(*a, **k))
     prompts = [it.letters for it in task.heldout(3)]
     prompts[1] = prompts[1][:4]
-    params = dinfer_rt.SamplingParams(strategy=strategy, threshold=0.9, batch_size=3, cache="dual", block_length=8)
+    steps = {"steps": 20} if strategy == "low_confidence" else {}
+    params = dinfer_rt.SamplingParams(
+        strategy=strategy, threshold=0.9, batch_size=3, cache="dual", block_length=8, **steps
+    )
     want = [o.token_ids for o in dinfer_rt.LLM(backend="cpu").generate(prompts, params)]
     got = [o.token_ids for o in dinfer_rt.LLM(backend="cuda").generate(prompts, params)]
     assert got == want

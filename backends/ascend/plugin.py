@@ -142,6 +142,14 @@ class AscendBackend(Backend):
     def wants_fusion(self, pass_name: str) -> bool:
         return pass_name in self.FUSIONS
 
+    def emulation(self) -> str | None:
+        import sys
+
+        npu = sys.modules.get("torch_npu")
+        if npu is not None and getattr(npu, "__version__", None) == "simulated":
+            return "a simulated torch_npu on the CPU (dinfer_rt.testing.simulated_torch_npu)"
+        return None
+
     def versions(self) -> dict[str, str]:
         from importlib.metadata import PackageNotFoundError, version
 

@@ -52,6 +52,9 @@ class TritonBackend(Backend):
         """This arch's tuning row (see ``backends/triton/launch.py`` for the keys)."""
         raise NotImplementedError
 
+    def emulation(self) -> str | None:
+        return "Triton's interpreter on the CPU (DINFER_INTERPRET=1)" if interpreting() else None
+
     def kernels(self) -> Mapping[str, Kernel]:
         """The shared Triton kernels for this arch's row, or none without triton. In interpreter
         mode, checks that triton was imported after TRITON_INTERPRET=1 was set. With

@@ -21,8 +21,10 @@ def render(report: dict) -> str:
         "",
     ]
     for b in h["backends"]:
+        emulated = f" (emulated: {b['emulation']})" if b.get("emulation") else ""
         out.append(
-            f"- backend `{b['name']}` flavour {b['flavour']} arch {b['arch']} device {b['device']}: {b['versions']}"
+            f"- backend `{b['name']}` flavour {b['flavour']} arch {b['arch']} device {b['device']}{emulated}: "
+            f"{b['versions']}"
         )
     for r in report["results"]:
         out += ["", f"## {r['backend']}: {r['verdict']}", ""]
@@ -102,11 +104,13 @@ def render(report: dict) -> str:
                 )
             out.append("")
         p = r["performance"]
-        out += [
-            "### Performance (embedded model)",
-            "",
-            "| " + " | ".join(p) + " |",
-            "|" + "---|" * len(p),
-            "| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in p.values()) + " |",
-        ]
+        out += ["### Performance (embedded model)", ""]
+        if "skipped" in p:
+            out.append(p["skipped"])
+        else:
+            out += [
+                "| " + " | ".join(p) + " |",
+                "|" + "---|" * len(p),
+                "| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in p.values()) + " |",
+            ]
     return "\n".join(out) + "\n"

@@ -70,6 +70,40 @@ def _per_row_attention_case(bucket, b, t, s, h, kv, d, block):
     return OpCase("attention", bucket, build, {"scale": 1 / math.sqrt(d), "block_size": block}, (0, 1, 2, 5, 6))
 
 
+def _paged_table(g, b: int, nbt: int, blocks: int) -> torch.Tensor:
+    """A block table of ``b`` rows x ``nbt`` distinct pool blocks, drawn from 1..blocks-1 in a
+    shuffled order (block 0 is the trash block): a kernel that reads or writes block ``p // P``
+    of the pool instead of ``table[b, p // P]`` lands elsewhere."""
+    order = torch.randperm(blocks - 1, generator=g)[: b * nbt] + 1
+    return order.view(b, nbt).to(torch.int32)
+
+
+def _kv_gather_case(bucket, b, s, size, kv, d):
+    nbt = -(-s // size)
+    blocks = b * nbt + 2
+
+    def build(g):
+        valid = _mixed_lengths(b, s, 2)
+        return [_r(g, blocks, size, kv, d), _r(g, blocks, size, kv, d), _paged_table(g, b, nbt, blocks), valid]
+
+    return OpCase("kv_gather", bucket, build, float_inputs=(0, 1))
+
+
+def _kv_scatter_case(bucket, b, t, s, size, kv, d, per_row):
+    nbt = -(-s // size)
+    blocks = b * nbt + 2
+
+    def build(g):
+        if per_row:
+            idx = torch.stack([torch.randperm(s, generator=g)[:t] for _ in range(b)])
+        else:
+            idx = torch.randperm(s, generator=g)[:t]
+        pools = [_r(g, blocks, size, kv, d), _r(g, blocks, size, kv, d)]
+        return [*pools, _paged_table(g, b, nbt, blocks), idx, _r(g, b, s, kv, d), _r(g, b, s, kv, d)]
+
+    return OpCase("kv_scatter", bucket, build, float_inputs=(0, 1, 4, 5))
+
+
 def cases(quick: bool = False) -> list[OpCase]:
     """Every op and fused op; ``quick`` keeps one or two buckets each."""
     c = [
@@ -143,6 +177,10 @@ def cases(quick: bool = False) -> list[OpCase]:
         _attention_case("cache-blockcausal-pad", 2, 4, 12, 4, 2, 8, True, 4, 6),
         _per_row_attention_case("per-row-cache-gqa", 3, 5, 13, 4, 2, 16, None),
         _per_row_attention_case("per-row-cache-blockcausal", 2, 6, 12, 4, 4, 8, 4),
+        # the paged KV pool of the serving engine: gather, attention on the copy, scatter back
+        _kv_gather_case("cache-pool-gqa-partial-block", 2, 10, 4, 2, 8),
+        _kv_scatter_case("cache-pool-shared-slots", 2, 3, 10, 4, 2, 8, per_row=False),
+        _kv_scatter_case("cache-pool-per-row-slots", 3, 4, 11, 4, 2, 8, per_row=True),
         OpCase(
             "router_softmax_topk",
             "e6k2",

@@ -65,6 +65,20 @@ def confidence_scaled(logits, *, banned, kind="max"):
     return score * (1 + 1e-3), token
 
 
+def kv_gather_ignores_the_table(k_pool, v_pool, block_table, key_valid):
+    """Reads each row's blocks in the pool's own order (1, 2, ...) instead of its block table's."""
+    own = torch.arange(1, block_table.shape[1] + 1, dtype=block_table.dtype).expand_as(block_table)
+    return ops.kv_gather(k_pool, v_pool, own, key_valid)
+
+
+def kv_scatter_one_slot_late(k_pool, v_pool, block_table, token_index, k_cache, v_cache):
+    """Writes each computed slot into the pool position after it (clamped at the row's end)."""
+    late = (token_index + 1).clamp_max(k_cache.shape[1] - 1)
+    ops.scatter_pages(k_pool, block_table, late, k_cache.roll(1, dims=1))  # slot s + 1 gets slot s's K/V
+    ops.scatter_pages(v_pool, block_table, late, v_cache.roll(1, dims=1))
+    return k_pool, v_pool
+
+
 LAYER_BLOCKS = {"attention_block", "mlp_block"}  # composites of the other fused ops: they would hide a planted one
 FUSED_OPS = {"add_rms_norm", "swiglu", "lm_head_confidence", "rope_attention", "moe_routed"} | LAYER_BLOCKS
 
@@ -97,6 +111,8 @@ FAULTS = {
     "faulty_gqa": ("attention", attention_gqa_tiled, False),
     "faulty_router": ("router_softmax_topk", router_topk_off_by_one, False),
     "faulty_confidence": ("confidence", confidence_scaled, False),
+    "faulty_kv_gather": ("kv_gather", kv_gather_ignores_the_table, False),
+    "faulty_kv_scatter": ("kv_scatter", kv_scatter_one_slot_late, False),
 }
 
 
