@@ -54,15 +54,17 @@ def test_planted_kernel_faults_fail_and_are_named(faulty):
 
 
 @pytest.mark.parametrize("backend", ["faulty_attention", "faulty_rope_attention"])
-def test_validate_self_check_fails_a_planted_fault_naming_the_op(faulty, backend):
+def test_validate_self_check_fails_a_planted_fault_naming_the_op(faulty, backend, monkeypatch):
     """The suite checks itself: `validate --quick` of a faulty copy of the cpu kernels fails and its
     failures name the op (an unfused and a fused attention that ignore padding). Every other
     planted fault is caught by the same op conformance in ``test_planted_kernel_faults_...``."""
     from dinfer_rt.validation.runner import validate
     from tests.fake_plugins.faulty import FAULTS
 
+    monkeypatch.delenv("DINFER_BACKEND", raising=False)  # earlier selections in this process wrote it
     report = validate(backend, quick=True, dtypes="float32")
     assert report["verdict"] == "fail"
+    assert "DINFER_BACKEND" not in report["header"]["env"]  # the user's environment, not what selecting wrote
     assert report["results"][0]["performance"]["step_ms_p50"] > 0  # real kernels: timings are measured
     failures = report["results"][0]["failures"]
     assert any(f.startswith(f"op {FAULTS[backend][0]}/") for f in failures), failures

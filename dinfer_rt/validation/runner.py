@@ -24,7 +24,8 @@ from dinfer_rt.validation import editing, model_checks
 from dinfer_rt.validation.conformance import DTYPE_NAMES, run_conformance
 from dinfer_rt.validation.perf import measure
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: each header backend has "emulation"; "performance" may be {"skipped": why}
+
 # the editing rule's lock-step check: LLaDA2.1's quality preset, a short post-step budget
 EDIT_PARAMS = SamplingParams(
     strategy="joint_threshold", threshold=0.7, edit_threshold=0.5, max_post_steps=4, gen_length=16, block_length=8,
@@ -51,7 +52,9 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def header(backends: list[Backend]) -> dict:
+def header(backends: list[Backend], env: dict[str, str]) -> dict:
+    """What ran where; ``env``: the DINFER_* variables as the user set them (taken before the
+    backends were selected: selecting one writes ``DINFER_BACKEND`` back for child processes)."""
     return {
         "dinfer_rt": dinfer_rt.__version__,
         "commit": _git_commit(),
@@ -70,7 +73,7 @@ def header(backends: list[Backend]) -> dict:
             for b in backends
         ],
         "plugins": env_info(),
-        "env": envs.snapshot(),
+        "env": env,
         "seed": SEED,
         "command": " ".join(["dinfer-rt", *sys.argv[1:]]) if sys.argv else "",
     }
@@ -202,13 +205,14 @@ def resolve_backends(spec: str) -> list[Backend]:
 
 
 def validate(spec: str, quick: bool = False, dtypes: str = "float32,bfloat16") -> dict:
+    env = envs.snapshot()
     backends = resolve_backends(spec)
     dts = [resolve_dtype(d.strip()) for d in dtypes.split(",") if d.strip()]
     report = {
         "schema_version": SCHEMA_VERSION,
         "quick": quick,
         "dtypes": [DTYPE_NAMES[d] for d in dts],
-        "header": header(backends),
+        "header": header(backends, env),
         "results": [],
     }
     with tqdm(total=5 * len(backends), desc="validate", unit="section") as bar:
