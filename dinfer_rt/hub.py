@@ -93,11 +93,28 @@ def resolve_model(
 
 def check_snapshot(folder: Path, repo: str, revision: str | None, source: str) -> None:
     """A downloaded snapshot must hold config.json and safetensors weights: a repo that ships only
-    ``.bin`` / ``.pth`` pickles (which dinfer-rt never loads) is named as such."""
+    ``.bin`` / ``.pth`` pickles (which dinfer-rt never loads) is named as such. Offline, the hub was
+    never asked: a file missing from the cached snapshot (or linking to a blob that is gone) is
+    an incomplete download, named with the folder."""
     at = _at(repo, revision)
+    dangling = sorted(f for f in folder.iterdir() if f.is_symlink() and not f.exists()) if folder.is_dir() else []
+    if dangling:
+        raise ConfigError(
+            f"{at}: the cached snapshot file {dangling[0]} links to {os.readlink(dangling[0])}, which is missing "
+            "(an interrupted download or a pruned cache): delete that snapshot folder and download again"
+        )
+    incomplete = (
+        f"{at}: the cached snapshot {folder} has no {{}} (an incomplete download; offline, the hub was not asked): "
+        "download it again online, or point --model at a complete folder"
+    )
     if not (folder / "config.json").is_file():
+        if _env_offline():
+            raise ConfigError(incomplete.format("config.json"))
         raise ConfigError(f"{at} on {source} has no config.json: it is not a model repo dinfer-rt can load")
     if not any(folder.glob("*.safetensors")):
+        pickles = any(folder.glob("*.bin")) or any(folder.glob("*.pth"))
+        if _env_offline() and not pickles:
+            raise ConfigError(incomplete.format("*.safetensors weights"))
         raise ConfigError(
             f"{at} on {source} has no *.safetensors weights (dinfer-rt never loads .bin/.pth pickles): "
             "convert the checkpoint to safetensors, or pick a revision or repo that ships them"

@@ -24,6 +24,18 @@ def gptq_sources(spec: ModelSpec, plan: list[ParamPlan], gptq: dict) -> dict[str
     return out
 
 
+def check_layer_count(ckpt: Checkpoint, spec: ModelSpec) -> None:
+    """A config.json layer count the checkpoint cannot hold, refused before the per-layer plan is
+    built: every decoder layer has several tensors, so more layers than tensors is a wrong field
+    (a count of 10**30 would otherwise build its plan until memory runs out)."""
+    held = len(ckpt.names())
+    if spec.n_layers > held:
+        raise CheckpointError(
+            f"{ckpt.dir / 'config.json'}: the model has {spec.n_layers} layers by config.json, but the checkpoint "
+            f"holds only {held} tensor(s) in all and every layer needs several; is the layer count right?"
+        )
+
+
 def check_tensors(ckpt: Checkpoint, spec: ModelSpec, plan: list[ParamPlan], gptq: dict | None = None) -> None:
     """Missing, unexpected or mis-shaped tensors: one error naming the tensor and file."""
     expected: dict[str, tuple[int, ...]] = {}
@@ -115,6 +127,7 @@ def load_weights(
     goes to ``device`` as it is read, so the host never holds the whole model. Under tensor
     parallelism a rank reads its slices (``shard_ranges``) and only its experts.
     """
+    check_layer_count(ckpt, spec)
     plan = param_plan(spec)
     gptq = quant.gptq_config(spec.config, ckpt.dir / "config.json")
     if gptq is not None and tensor_parallel is not None:

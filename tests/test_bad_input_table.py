@@ -163,6 +163,11 @@ CASES = [
     _cfg("eos-id-outside-vocab", "field 'eos_token_id' = 70 is outside the vocabulary", eos_token_id=[1, 70]),
     _cfg("negative-pad-id", "field 'pad_token_id' must be >= 0", pad_token_id=-1),
     _cfg("bool-where-int", "field 'n_layers' should be int, found True", n_layers=True),
+    _cfg(
+        "more-layers-than-tensors",
+        "the model has 1000000000000000000000000000000 layers by config.json, but the checkpoint holds only",
+        n_layers=10**30,
+    ),
     _cfg("mask-id-contradicts-tokenizer", "field 'mask_token_id' = 4 contradicts", mask_token_id=4),
     _cfg("pad-id-contradicts-tokenizer", "field 'pad_token_id' = 3 contradicts", pad_token_id=3),
     Case("model-path-is-a-file", lambda env: _load(env.ckpt / "config.json"), "is a file; the model path must be"),

@@ -22,6 +22,7 @@ import dinfer_rt
 from dinfer_rt import envs
 from dinfer_rt.backends.cpu import blas, native
 from dinfer_rt.backends.cpu.backend import CpuBackend
+from dinfer_rt.errors import ConfigError
 from dinfer_rt.loader import EMBEDDED_MODEL
 
 # A naive column-major sgemm_. OFFSET 1: every output one too big; CRASH: SIGSEGV on the call
@@ -145,8 +146,8 @@ def test_a_bad_blas_turns_the_layer_blocks_off_naming_it(fresh, shims, monkeypat
     assert "ILP64" in status and "unset DINFER_CPU_BLAS" in status
     assert f"layer blocks and their GEMMs off: {status[5:]}" in CpuBackend().is_available().reason
     assert CpuBackend().capabilities().extra["native_gemms"] == status
-    kernels = CpuBackend().kernels()
-    assert not set(BLOCKS) & set(kernels) and "rms_norm" in kernels
+    with pytest.raises(ConfigError, match=f"backend cpu: .*{what[:20]}.*; unset DINFER_CPU_BLAS to use torch's own"):
+        CpuBackend().kernels()  # the user named this BLAS: a model does not load without it, silently slower
     assert native.NativeKernels(loaded.lib).blas is None
     assert _blas_call(loaded.lib) == -2  # the bad sgemm_ was never handed to native.c
     [verdict] = _verdicts(fresh)
@@ -155,10 +156,11 @@ def test_a_bad_blas_turns_the_layer_blocks_off_naming_it(fresh, shims, monkeypat
 
 def test_the_result_stays_correct_with_a_bad_blas(fresh, shims, monkeypatch):
     """Unpacked weights and 5 rows: every layer-block matmul would go through the BLAS. With the
-    wrong one planted the logits still match the float64 reference (torch ran them); the same
-    forward with the check bypassed shows the wrong BLAS would have been used."""
+    wrong one planted as the BLAS found in torch's libraries (nobody named it), the layer blocks
+    are off and the logits still match the float64 reference (torch ran them); named by
+    ``DINFER_CPU_BLAS``, the model does not load; the same forward with the check bypassed shows
+    the wrong BLAS would have been used."""
     monkeypatch.setenv(envs.DINFER_CPU_PACKED_WEIGHTS, "off")
-    monkeypatch.setenv(envs.DINFER_CPU_BLAS, str(shims["wrong"]))
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     want = dinfer_rt.load_model(EMBEDDED_MODEL, backend="reference", dtype="float64").forward(ids)
 
@@ -166,8 +168,16 @@ def test_the_result_stays_correct_with_a_bad_blas(fresh, shims, monkeypatch):
         model = dinfer_rt.load_model(EMBEDDED_MODEL, backend="cpu", dtype="float32")
         return ((model.forward(ids).double() - want).abs().max() / want.abs().max()).item()
 
-    assert native.gemm_status().startswith("off:")
-    assert error() < 1e-4
+    wrong = blas._override(str(shims["wrong"]))
+    with monkeypatch.context() as m:
+        m.setattr(blas, "find", lambda: wrong)  # as if torch's own BLAS were the wrong one
+        _clear()
+        assert native.gemm_status().startswith("off:")
+        assert error() < 1e-4
+    monkeypatch.setenv(envs.DINFER_CPU_BLAS, str(shims["wrong"]))
+    _clear()
+    with pytest.raises(ConfigError, match="gave a wrong 3 x 5 by 5 x 7 product"):
+        error()
     _clear()
     monkeypatch.setattr(blas, "checked", lambda library: blas.find())  # no self-check: the wrong BLAS runs
     assert native.gemm_status().startswith("on (sgemm from")
@@ -226,3 +236,16 @@ def test_a_missing_library_is_named(fresh, monkeypatch, tmp_path):
     monkeypatch.setenv(envs.DINFER_CPU_BLAS, str(missing))
     assert native.gemm_status() == f"off: DINFER_CPU_BLAS={str(missing)!r}: no such library file"
     assert _verdicts(fresh) == []
+
+
+def test_generate_refuses_a_blas_the_variable_names_that_cannot_be_used(fresh, tmp_path):
+    """A named BLAS that is not there: one error line naming the variable, not a silently slower run."""
+    missing = tmp_path / "libnoblas.so"
+    env = {**os.environ, envs.DINFER_CPU_BLAS: str(missing), "DINFER_BACKEND": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "dinfer_rt", "generate", "ab"], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: backend cpu: DINFER_CPU_BLAS={str(missing)!r}: no such library file; unset DINFER_CPU_BLAS to use "
+        "torch's own BLAS"
+    ), done.stderr

@@ -6,6 +6,8 @@ checkable in the interpreter; 16-bit dot tiles are widened there too (exact prod
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -457,9 +459,28 @@ def test_autotuner_times_once_and_remembers_on_disk(tmp_path):
     assert entry["candidates"] == 3 and entry["ms"] == pytest.approx(1000.0)
     upgraded = Autotuner("sm_90", {**versions, "triton": "3.10.0"}, tmp_path, clock=clock)
     assert upgraded.entries == {}  # another Triton: a fresh cache file
-    (tmp_path / again.path.name).write_text("{not json")
-    with pytest.raises(ValueError, match="autotuning cache .* is unreadable"):
-        Autotuner("sm_90", versions, tmp_path)
+    for corrupt in ("{not json", "[]", '{"entries": {"k": 3}}', "\udcff"):  # re-tuned with a warning naming it
+        (tmp_path / again.path.name).write_text(corrupt, errors="surrogateescape")
+        with pytest.warns(UserWarning, match=f"autotuning cache {re.escape(str(again.path))} is .* re-tuning"):
+            fresh = Autotuner("sm_90", versions, tmp_path, clock=clock, iters=1)
+        assert fresh.entries == {}
+        assert fresh.best("attention", (32, 1024, 128, 4, "bf16"), cands, run) == {"BLOCK_N": 32}
+        assert Autotuner("sm_90", versions, tmp_path).entries.keys() == {"attention|32x1024x128x4xbf16"}  # rewritten
+
+
+def test_a_tuning_cache_variable_that_is_not_a_folder_is_named(monkeypatch, tmp_path):
+    from dinfer_rt.backends.triton.autotune import Autotuner, default_cache_dir
+    from dinfer_rt.errors import ConfigError
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    monkeypatch.setenv("DINFER_TUNING_CACHE", str(afile))
+    with pytest.raises(ConfigError, match=r"DINFER_TUNING_CACHE='.*afile' is not a folder"):
+        default_cache_dir()
+    monkeypatch.setenv("DINFER_TUNING_CACHE", str(afile / "below"))  # a folder that can never be made
+    tuner = Autotuner("sm_90", {"triton": "3.9.0"}, clock=iter(range(100)).__next__, iters=1)
+    with pytest.warns(UserWarning, match="cannot be written .* not remembered"):
+        assert tuner.best("k", (1,), [{"B": 1}], lambda cfg: None) == {"B": 1}
 
 
 def test_autotuned_attention_is_correct_and_cached(monkeypatch, tmp_path):

@@ -204,6 +204,36 @@ def test_offline_errors_are_one_line(hf_home, model, extra, expect, monkeypatch)
         assert part in line, line
 
 
+def _partial_snapshot(home: Path, link_to_missing_blob: bool) -> None:
+    """acme/partial: main's snapshot has every file but the weights, or its weights link to a
+    blob that is gone (an interrupted download, a pruned cache)."""
+    files = _model_files()
+    if not link_to_missing_blob:
+        files = {k: v for k, v in files.items() if not k.endswith(".safetensors")}
+    storage = write_hub_cache(home / "hub", "acme/partial", {MAIN: files}, {"main": MAIN})
+    if link_to_missing_blob:
+        for blob in (storage / "blobs").iterdir():
+            if blob.name == _blob_name("model.safetensors", files["model.safetensors"]):
+                blob.unlink()
+
+
+@pytest.mark.parametrize("dangling", [False, True], ids=["weights-missing", "weights-link-dangling"])
+def test_an_incomplete_cached_snapshot_is_named_with_its_folder(hf_home, dangling, monkeypatch):
+    from huggingface_hub import constants
+
+    _partial_snapshot(hf_home, dangling)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    line = _main_error_line([*ARGS, "--model", "acme/partial"])
+    snapshot = str(hf_home / "hub" / "models--acme--partial" / "snapshots" / MAIN)
+    assert "'acme/partial'" in line and snapshot in line, line
+    if dangling:
+        assert "model.safetensors links to" in line and "missing" in line, line
+    else:
+        assert "has no *.safetensors weights (an incomplete download" in line, line
+    assert "on the Hugging Face hub" not in line, line  # the hub was never asked
+
+
 def _main_error_line(argv: list[str]) -> str:
     """``dinfer-rt`` in this process (the hub is resolved before any model loads): its one error line."""
     import contextlib

@@ -110,3 +110,23 @@ def test_llada_padding_masks_keys(ckpt_dir):
     b = model.forward(ids2, attention_mask=mask)
     torch.testing.assert_close(a[:, 2:], b[:, 2:])
     assert not torch.allclose(model.forward(ids)[:, 2:], a[:, 2:])
+
+
+def test_a_cpu_run_never_imports_triton():
+    """Discovering the plugins (the Triton device plugins' tuning rows among them) and generating on
+    the CPU loads no Triton: its compiler is heavy to import, and a process that had imported it
+    printed nanobind's leak warnings at exit (every TP worker, every server shutdown)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dinfer_rt; from dinfer_rt import plugins; plugins.registry(); "
+        "dinfer_rt.LLM(backend='cpu').generate(['ab']); "
+        "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith('triton.')))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DINFER_", "TRITON_"))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+    assert "nanobind" not in done.stderr, done.stderr

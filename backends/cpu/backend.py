@@ -15,8 +15,8 @@ import torch
 
 from dinfer_rt import envs
 from dinfer_rt.backend import Availability, Backend, Capabilities
+from dinfer_rt.backends.cpu import blas, native
 from dinfer_rt.backends.cpu import kernels as cpu_kernels
-from dinfer_rt.backends.cpu import native
 from dinfer_rt.errors import ConfigError
 from dinfer_rt.executor import Kernel
 from dinfer_rt.ir import OPS
@@ -67,6 +67,9 @@ class CpuBackend(Backend):
         matmul = self.matmul_precision()
         if matmul == "bf16" and (why := native.bf16_unavailable(lib)):
             raise ConfigError(f"backend cpu: {envs.DINFER_CPU_MATMUL}=bf16 cannot run here: {why}")
+        if lib is not None and envs.get(envs.DINFER_CPU_BLAS) is not None:  # a BLAS the user named must run
+            if (found := blas.checked(lib._name)).sgemm is None:
+                raise ConfigError(f"backend cpu: {found.reason}; unset {envs.DINFER_CPU_BLAS} to use torch's own BLAS")
         fast = native.NativeKernels(lib, matmul) if lib is not None else None
         attn = cpu_kernels.AttentionKernels(fast)  # one per compiled executable: its memos are its own
         kernels |= {

@@ -13,14 +13,26 @@ import json
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dinfer_rt import envs
+from dinfer_rt.errors import ConfigError
 
 
 def default_cache_dir() -> Path:
-    return Path(envs.get(envs.DINFER_TUNING_CACHE) or Path.home() / ".cache" / "dinfer_rt" / "tuning")
+    """``DINFER_TUNING_CACHE``, else ``~/.cache/dinfer_rt/tuning``; a value that is not a folder is
+    refused by name (the cache files go inside it)."""
+    value = envs.get(envs.DINFER_TUNING_CACHE)
+    if not value:
+        return Path.home() / ".cache" / "dinfer_rt" / "tuning"
+    folder = Path(value).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(
+            f"{envs.DINFER_TUNING_CACHE}={value!r} is not a folder: it names the folder the cache files go in"
+        )
+    return folder
 
 
 class Autotuner:
@@ -43,15 +55,27 @@ class Autotuner:
         self.arch, self.versions, self.sync, self.clock, self.iters = arch, dict(versions), sync, clock, iters
         self.entries: dict[str, dict] = self._load()
         self.measured = 0  # configurations timed by this tuner (0 when every key was cached)
+        self._unsaved = False  # a write failed (warned once)
 
     def _load(self) -> dict[str, dict]:
+        """The cached winners; a cache file that cannot be read or is not this module's layout is
+        re-tuned (and overwritten) with a warning naming it: a cache never stops a run."""
         try:
             data = json.loads(self.path.read_text())
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # nothing tuned yet (a folder not made is _save's to name)
             return {}
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"autotuning cache {self.path} is unreadable ({e}); delete it to re-tune") from e
-        return data.get("entries", {}) if data.get("versions") == self.versions else {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            return self._discard(f"is unreadable ({type(e).__name__}: {e})")
+        entries = data.get("entries") if isinstance(data, dict) else None
+        if not isinstance(entries, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("config"), dict) for v in entries.values()
+        ):
+            return self._discard("is not an autotuning cache (no 'entries' of {'config': {...}})")
+        return entries if data.get("versions") == self.versions else {}
+
+    def _discard(self, why: str) -> dict:
+        warnings.warn(f"autotuning cache {self.path} {why}: re-tuning, and it will be overwritten", stacklevel=3)
+        return {}
 
     @staticmethod
     def key(kernel: str, bucket: Sequence) -> str:
@@ -81,9 +105,18 @@ class Autotuner:
         return dict(candidates[i])
 
     def _save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         body = json.dumps({"arch": self.arch, "versions": self.versions, "entries": self.entries}, indent=1)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")  # atomic: concurrent workers
-        with os.fdopen(fd, "w") as f:
-            f.write(body)
-        os.replace(tmp, self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")  # atomic: concurrent workers
+            with os.fdopen(fd, "w") as f:
+                f.write(body)
+            os.replace(tmp, self.path)
+        except OSError as e:  # a read-only or full disk: the winner still serves this process
+            if not self._unsaved:
+                warnings.warn(
+                    f"autotuning cache {self.path} cannot be written ({type(e).__name__}: {e}); tuned launch "
+                    f"configurations are not remembered (set {envs.DINFER_TUNING_CACHE} to a writable folder)",
+                    stacklevel=3,
+                )
+            self._unsaved = True

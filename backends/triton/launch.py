@@ -8,7 +8,14 @@ problem size into launch parameters; plugins override entries through the
 
 from __future__ import annotations
 
-import triton
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (n >= 1), as ``triton.next_power_of_2``: this module is
+    imported by every Triton device plugin's tuning rows when plugins are discovered, and importing
+    triton there loaded its compiler into CPU-only processes (whose exit then printed nanobind's
+    leak warnings)."""
+    return 1 << max(n - 1, 0).bit_length()
+
 
 # Row keys: rows: rows per program for row-wise kernels (the interpreter runs one Python step per
 # program, so it wants big tiles); warps_per_4k: warps per 4096 columns; max_warps; elementwise_block:
@@ -54,7 +61,7 @@ AUTOTUNE_SPACE = {
 
 def row_config(n_cols: int, t: dict) -> dict:
     """A block covering a whole row (norms reduce over it) and warps that grow with it."""
-    block = triton.next_power_of_2(n_cols)
+    block = next_power_of_2(n_cols)
     rows = max(1, min(t["rows"], 2**20 // block))  # a tile must stay under Triton's 2**20 elements
     return {"ROWS": rows, "BLOCK": block, "num_warps": max(1, min(t["max_warps"], t["warps_per_4k"] * block // 4096))}
 
@@ -62,9 +69,9 @@ def row_config(n_cols: int, t: dict) -> dict:
 def attention_config(n_queries: int, head_dim: int, t: dict) -> dict:
     """Query/key tiles (at least 16: tl.dot's minimum); the head dim is padded to a power of two."""
     return {
-        "BLOCK_M": max(16, min(t["attn_m"], triton.next_power_of_2(n_queries))),
+        "BLOCK_M": max(16, min(t["attn_m"], next_power_of_2(n_queries))),
         "BLOCK_N": t["attn_n"],
-        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+        "BLOCK_D": max(16, next_power_of_2(head_dim)),
         "HEADS": t["attn_heads"],
         "num_warps": t["attn_warps"],
     }

@@ -1,7 +1,7 @@
 """Train the embedded default model: a small LLaDA-architecture masked-diffusion LM.
 
 Run: ``python -m dinfer_rt.demo.train --out dinfer_rt/demo/model`` (reproducible from
-``--seed``; ~4000 steps take about 35 minutes on 2 CPU cores).
+``--seed``; ~4000 steps took 46.5 minutes on 2 CPU cores, ``training.json``).
 
 The model is a plain torch module (bidirectional attention, RMSNorm, half-split RoPE,
 SwiGLU) trained with LLaDA's SFT objective: per sequence a mask ratio t ~ U(eps, 1),
