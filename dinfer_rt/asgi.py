@@ -75,16 +75,35 @@ async def redirect_without_slash(scope: dict, send: Send) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
+def without_body(send: Send) -> Send:
+    """``send`` for a HEAD request: the status and headers (``content-length`` included) a GET
+    gets, and an empty body (load balancers probe ``/health`` with HEAD)."""
+
+    async def head(message: dict) -> None:
+        if message["type"] == "http.response.body":
+            if message.get("more_body", False):
+                return
+            message = {"type": "http.response.body", "body": b""}
+        await send(message)
+
+    return head
+
+
 def fast_path_app(base: type, routes: dict[str, Handler], error_body: Callable[[int, str], bytes], **kwargs):
     """An application of class ``base`` (FastAPI) built with ``kwargs``, whose POST ``routes``
     (path -> handler) are served before its stack; another method on those paths is a 405, the path
-    with a trailing slash a 307 to the route (as FastAPI's own routes answer). A
+    with a trailing slash a 307 to the route (as FastAPI's own routes answer); HEAD on any other
+    path is answered as GET without the body (``without_body``). A
     handler's exception is logged and answered with a 500 (``error_body(status, message)`` makes
     the bodies) when nothing was sent yet; else the connection closes, as uvicorn does."""
     log = logging.getLogger("uvicorn.error")
 
     class FastPaths(base):
         async def __call__(self, scope, receive, send) -> None:
+            if scope["type"] == "http" and scope["method"] == "HEAD":  # a GET without its body
+                send = without_body(send)
+                if scope["path"] not in routes:  # (the POST routes answer HEAD with their 405)
+                    scope = {**scope, "method": "GET"}
             handler = routes.get(scope["path"]) if scope["type"] == "http" else None
             if handler is None:
                 path = scope.get("path", "")

@@ -4,12 +4,13 @@ Every field is checked before any compute; a bad one is an :class:`ApiError` (HT
 message and ``param`` name the field and the allowed values. Diffusion knobs ride as extra body
 fields with the CLI's names (``strategy``, ``threshold``, ``cache``, ``block_length``, ...) and
 the server's defaults. ``max_tokens`` is rounded up to whole blocks for decoding and the output
-cut to it.
+cut to it (its range: the room the prompt leaves, in whole blocks).
 
 Fields real clients send and this server has no use for (``user``, ``metadata``, ``store``, ...)
-are ignored, as OpenAI-compatible servers ignore them, with one exception: an unknown field close
-to one of this server's own knobs (``treshold``, ``block_len``) is a 400 naming the likely field,
-since ignoring it would silently decode with the default. Fields that would change the answer
+are ignored, as OpenAI-compatible servers ignore them, with two exceptions: another stack's name
+for one of our fields (``FOREIGN_FIELDS``: ``block_size``, ``num_steps``, ``cache_policy``) and an
+unknown field close to one of this server's own knobs (``treshold``, ``block_len``) are a 400
+naming the field to use, since ignoring them would silently decode with the default. Fields that would change the answer
 and cannot be honoured (``top_p`` below 1, ``tools``, a JSON ``response_format``) are a 400
 unless they hold the neutral value clients send by default.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import random
@@ -64,6 +66,25 @@ SERVER_SAMPLING_FIELDS = {
     "cfg_scale": "classifier-free guidance is the server's setting (--cfg-scale)",
     "precision_schedule": "the server sets it at start-up (--precision-schedule)",
     "precision_refresh": "the server sets it at start-up (--precision-refresh)",
+}
+# Other diffusion stacks' names for this server's fields (LLaDA / Dream / Fast-dLLM / SDAR scripts,
+# HF ``generate``): ignored like any unknown field they would decode silently with the default,
+# so each is a 400 naming the field to use (``refuse_misspelt_knobs``).
+FOREIGN_FIELDS = {
+    "block_size": "block_length",
+    "num_steps": "steps",
+    "diffusion_steps": "steps",
+    "denoising_steps": "steps",
+    "sampling_steps": "steps",
+    "cache_policy": "cache",
+    "kv_cache": "cache",
+    "use_cache": "cache",
+    "dual_cache": "cache",
+    "remasking": "strategy",
+    "remasking_strategy": "strategy",
+    "alg": "strategy",
+    "confidence_threshold": "threshold",
+    "max_new_tokens": "max_tokens",
 }
 # OpenAI / vLLM fields accepted only at a neutral value (anything else would be ignored silently,
 # a different answer than the client asked for): null, or one of the values clients send by default.
@@ -166,7 +187,8 @@ def _neutral(value: Any, accepted: tuple[Any, ...]) -> bool:
     return False
 
 
-def _int(body: dict, name: str, low: int, high: int | None = None) -> int | None:
+def _int(body: dict, name: str, low: int, high: int | None = None, why: str = "") -> int | None:
+    """``body[name]``: None, or an integer in [low, high]; ``why`` is appended to a range error."""
     v = body.get(name)
     if v is None:
         return None
@@ -174,7 +196,7 @@ def _int(body: dict, name: str, low: int, high: int | None = None) -> int | None
         raise ApiError(400, f"'{name}' must be an integer, got {_type_name(v)} {_shown(v)}", name)
     if v < low or (high is not None and v > high):
         span = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ApiError(400, f"'{name}' must be {span}, got {v}", name)
+        raise ApiError(400, f"'{name}' must be {span}, got {v}{why}", name)
     return v
 
 
@@ -209,6 +231,7 @@ def parse(
     chars_per_token: int | None = None,
     mask_id: int | None = None,
     kv_bytes_per_position: int | None = None,
+    batch_limit: tuple[int, str] | None = None,
 ) -> Submission:
     """Validate an OpenAI completions / chat-completions body (``chat``) against the served model.
 
@@ -216,7 +239,9 @@ def parse(
     prompt longer than ``max_len`` tokens could hold is refused before it is tokenised. ``mask_id``:
     the model's mask token, refused in the prompt unless ``allow_mask_in_prompt`` is true.
     ``kv_bytes_per_position``: one position's K/V over the layers (and ranks), so a request too long
-    for the KV pool's rows is also told the memory it would need."""
+    for the KV pool's rows is also told the memory it would need. ``batch_limit``: (the most
+    requests the server holds at once, why): a completions batch of more prompts can never be
+    admitted, and is refused naming ``prompt`` before any prompt is tokenised."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_type_name(body)}")
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
@@ -273,7 +298,7 @@ def parse(
     if chat:
         prompts, names, texts = [_chat_prompt(body, tokenizer, max_len, chars_per_token)], ["messages"], None
     else:
-        prompts, names, texts = _completion_prompts(body, tokenizer, max_len, chars_per_token)
+        prompts, names, texts = _completion_prompts(body, tokenizer, max_len, chars_per_token, batch_limit)
     for ids, where in zip(prompts, names):
         try:
             refuse_mask_token(ids, mask_id, f"'{where}'", bool(_bool(body, "allow_mask_in_prompt")))
@@ -306,25 +331,35 @@ def parse(
     if not isinstance(block, int) or isinstance(block, bool) or block < 1:
         raise ApiError(400, f"'block_length' must be an integer >= 1, got {block!r}", "block_length")
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
-    size, where = len(prompts[longest]), "prompt" if chat else names[longest]
-    budget = max_len - size
-    if budget < 1:
+    size, where = len(prompts[longest]), "messages" if chat else names[longest]
+    room = max_len - size  # positions the longest prompt leaves for the answer
+    if room < 1:
         memory = _kv_memory(size + 1, max_len, kv_bytes_per_position)
         raise ApiError(
             400, f"the prompt is {size} tokens; the max model length is {max_len}: no room to generate{memory}", where
         )
-    key, max_tokens = _max_tokens(body, budget)
-    if max_tokens is None:
-        max_tokens = min(defaults.gen_length, budget)
-    gen = -(-max_tokens // block) * block
-    if size + gen > max_len:
+    if block > room:  # the answer is decoded in whole blocks: not even one fits
+        if "block_length" in fields:  # the request's own block (or its preset's): that is what does not fit
+            raise ApiError(
+                400, f"'block_length' {block} does not fit: the answer is decoded in whole blocks, and the prompt's "
+                f"{size} tokens leave {room} of the max model length {max_len}; 'block_length' must be at most "
+                f"{room} here", "block_length",
+            )  # fmt: skip
+        memory = _kv_memory(size + block, max_len, kv_bytes_per_position)
         raise ApiError(
-            400,
-            f"'{key}' {max_tokens} rounds up to {gen} tokens (whole blocks of {block}); with the prompt's "
-            f"{size} tokens that exceeds the max model length {max_len}"
-            f"{_kv_memory(size + gen, max_len, kv_bytes_per_position)}",
-            key,
-        )
+            400, f"the prompt is {size} tokens; the max model length {max_len} leaves {room}, less than one block "
+            f"of {block} (the server's block_length; the answer is decoded in whole blocks): shorten the prompt "
+            f"or send a 'block_length' of at most {room}{memory}", where,
+        )  # fmt: skip
+    high = room // block * block  # the longest answer whose whole blocks fit
+    why = (
+        f" (the prompt's {size} tokens leave {room} of the max model length {max_len}, and the answer is decoded "
+        f"in whole blocks of {block}, 'block_length')"
+    )
+    _, max_tokens = _max_tokens(body, high, why)
+    if max_tokens is None:
+        max_tokens = min(defaults.gen_length, high)
+    gen = -(-max_tokens // block) * block  # <= room
     steps = params.steps
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ApiError(400, f"'steps' must be an integer >= 1, got {steps!r}", "steps")
@@ -346,13 +381,22 @@ def parse(
 
 
 def refuse_misspelt_knobs(body: dict, allowed: set[str]) -> None:
-    """Unknown fields are ignored, as OpenAI-compatible servers ignore them, except one close to
-    a knob of this server's own (not an OpenAI field): ``treshold`` silently decoding with the
-    default threshold is a worse answer than a 400 naming ``threshold``."""
+    """Unknown fields are ignored, as OpenAI-compatible servers ignore them, except other stacks'
+    names for our fields (``FOREIGN_FIELDS``: ``block_size``, ``num_steps``, ``cache_policy``, ...)
+    and a name close to a knob of this server's own (not an OpenAI field): ``treshold`` silently
+    decoding with the default threshold is a worse answer than a 400 naming ``threshold``."""
     knobs = sorted(allowed - OPENAI_FIELDS)
     for name in sorted(set(body) - allowed):
         if not isinstance(name, str):
             continue
+        if name in FOREIGN_FIELDS:  # another stack's name for one of ours
+            ours = FOREIGN_FIELDS[name]
+            raise ApiError(
+                400,
+                f"unknown field '{name}': did you mean '{ours}'? ('{name}' is another inference stack's name; "
+                f"this server would ignore it and decode with its default '{ours}')",
+                name,
+            )
         close = difflib.get_close_matches(name, knobs, n=1, cutoff=MISSPELT_CUTOFF)
         if close:
             raise ApiError(
@@ -420,11 +464,12 @@ def _logprobs(body: dict, chat: bool, echo: bool) -> int | None:
     return v
 
 
-def _max_tokens(body: dict, budget: int) -> tuple[str, int | None]:
+def _max_tokens(body: dict, budget: int, why: str = "") -> tuple[str, int | None]:
     """``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``, on either endpoint: the
-    field given and its value; both given must agree."""
+    field given and its value, in [1, ``budget``] (``why``: the reason for the bound, told with a
+    range error); both given must agree."""
     given = [k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
-    values = [_int(body, k, 1, budget) for k in given]
+    values = [_int(body, k, 1, budget, why) for k in given]
     if len(given) == 2 and values[0] != values[1]:
         raise ApiError(
             400, f"'max_completion_tokens' {values[0]} and 'max_tokens' {values[1]} disagree: send one of them",
@@ -473,15 +518,22 @@ def _encode(tokenizer, text: str, field: str) -> list[int]:
 
 
 def _completion_prompts(
-    body: dict, tokenizer, max_len: int, chars_per_token: int | None
+    body: dict, tokenizer, max_len: int, chars_per_token: int | None, batch_limit: tuple[int, str] | None = None
 ) -> tuple[list[list[int]], list[str], list[str | None]]:
     """``prompt``: a string, token ids, or a batch (a list of strings, or of token-id lists; one
     choice each). Returns each prompt's ids, the name its errors carry (``prompt``, in a batch of
-    several ``prompt[i]``) and its text as sent (None for ids)."""
+    several ``prompt[i]``) and its text as sent (None for ids). ``batch_limit``: (the most
+    requests the server can hold at once, why); a bigger batch could never be admitted."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > MAX_PROMPTS:
             raise ApiError(400, f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request", "prompt")
+        if batch_limit is not None and len(prompt) > 1 and len(prompt) > batch_limit[0]:
+            limit, why = batch_limit
+            raise ApiError(
+                400, f"'prompt' holds {len(prompt)} prompts, but this server holds at most {limit} requests at once "
+                f"({why}): the batch could never be admitted; send at most {limit} prompts per request", "prompt",
+            )  # fmt: skip
         if not (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
             raise ApiError(400, "'prompt' mixes strings and token-id lists: send one kind per request", "prompt")
         names = ["prompt"] if len(prompt) == 1 else [f"prompt[{i}]" for i in range(len(prompt))]
@@ -517,6 +569,7 @@ def _chat_prompt(body: dict, tokenizer, max_len: int, chars_per_token: int | Non
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
     turns = []
+    joined: set[int] = set()  # the messages whose content was several text parts, joined with newlines
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if isinstance(m, dict):
@@ -538,20 +591,39 @@ def _chat_prompt(body: dict, tokenizer, max_len: int, chars_per_token: int | Non
                 400, f"'{where}.role' {shown} must be one of {', '.join(ROLES)} (or developer)", f"{where}.role"
             )
         content = _content_text(m["content"], where)
+        if isinstance(m["content"], list) and len(m["content"]) > 1:
+            joined.add(i)
         turns.append({"role": role, "content": content})
     if not tokenizer.chat_template:
         raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
     _too_long("messages", sum(len(t["content"]) for t in turns), max_len, chars_per_token)
     try:
-        text = tokenizer.apply_chat_template(turns, **_template_kwargs(body))
+        text = tokenizer.apply_chat_template(turns, **_template_kwargs(body, tokenizer.chat_template))
     except DinferError as e:
         raise ApiError(400, f"the chat template could not render these messages: {e}", "messages") from None
     try:
         return tokenizer.encode(text)
     except TokenizerError:  # name the message whose text it is (the template's own text is the model's)
         for i, t in enumerate(turns):
-            _encode(tokenizer, t["content"], f"messages[{i}].content")
+            try:
+                _encode(tokenizer, t["content"], f"messages[{i}].content")
+            except ApiError as e:
+                if i in joined and "\n" in t["content"] and not _encodes(tokenizer, "\n"):
+                    parts = len(messages[i]["content"])
+                    e.message += (
+                        f" (its {parts} text parts were joined with a newline, as vLLM joins them, and this "
+                        "tokenizer has no newline: send the text as one string or one part)"
+                    )
+                raise
         raise ApiError(400, "the chat template renders text the tokenizer cannot encode", "messages") from None
+
+
+def _encodes(tokenizer, text: str) -> bool:
+    try:
+        tokenizer.encode(text)
+    except TokenizerError:
+        return False
+    return True
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -581,9 +653,14 @@ def _content_text(content: Any, where: str) -> str:
     return content
 
 
-def _template_kwargs(body: dict) -> dict[str, Any]:
+_RENDERER_SET = ("messages", "add_generation_prompt", "tools", "documents")  # what the server passes itself
+
+
+def _template_kwargs(body: dict, template: str | None = None) -> dict[str, Any]:
     """``chat_template_kwargs`` (vLLM's field): extra variables for the chat template, e.g.
-    ``{"enable_thinking": false}`` for SDAR / Qwen3-style templates."""
+    ``{"enable_thinking": false}`` for SDAR / Qwen3-style templates. Each key must be a variable
+    ``template`` reads (``template_variables``; when it parses), other than those the server sets:
+    a key it does not read would change nothing, silently."""
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
         return {}
@@ -591,15 +668,42 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
         raise ApiError(
             400, f"'chat_template_kwargs' must be an object, got {_type_name(kwargs)}", "chat_template_kwargs"
         )
+    reads = template_variables(template) if template else None
     for key in kwargs:
-        if not key.isidentifier() or key in ("messages", "add_generation_prompt", "tools", "documents"):
+        if not key.isidentifier() or key in _RENDERER_SET:
             raise ApiError(
                 400,
                 f"'chat_template_kwargs' key {_shown(key)} cannot be set: it must be a name the template reads, "
                 "other than messages, add_generation_prompt, tools, documents",
                 "chat_template_kwargs",
             )
+        if reads is not None and key not in reads:
+            shown = ", ".join(sorted(reads - set(_RENDERER_SET))) or "none besides the messages"
+            raise ApiError(
+                400,
+                f"'chat_template_kwargs' key {_shown(key)} is not a variable this model's chat template reads "
+                f"(it would change nothing); the template reads: {shown[:400]}",
+                "chat_template_kwargs",
+            )
     return kwargs
+
+
+@functools.lru_cache(maxsize=8)
+def template_variables(template: str) -> frozenset[str] | None:
+    """The variables a chat template reads from its context (``jinja2.meta``: every name it uses
+    before setting it, ``x is defined`` tests included), without the environment's globals
+    (``raise_exception``, ...); None where it does not parse (rendering then says why)."""
+    import jinja2
+    import jinja2.meta
+
+    from dinfer_rt.tokenizer import _template_environment
+
+    env = _template_environment()
+    try:
+        names = jinja2.meta.find_undeclared_variables(env.parse(template))
+    except jinja2.TemplateError:
+        return None
+    return frozenset(names - set(env.globals))
 
 
 # ---------------------------------------------------------------- responses

@@ -6,7 +6,8 @@ is server-sent events in OpenAI's chunk format: a chunk carries only text that c
 change (tokens up to the first position still masked, held back while they could still be part of
 a stop string or a split character), so the concatenated chunks equal the non-streamed text.
 
-Back-pressure and faults: a bounded wait queue (429 past ``max_queue``), a client that goes away
+Back-pressure and faults: at most the KV pool's rows + ``max_queue`` requests at once, a batch
+admitted whole or not at all (429 past it; a batch that could never fit: 400), a client that goes away
 cancels its row, a step that raises fails only the requests of that step (500 naming the error),
 SIGTERM stops admitting and finishes the running rows within ``drain_timeout`` seconds.
 
@@ -210,6 +211,9 @@ def chars_per_token(tok) -> int | None:
     return longest
 
 
+RATE_WINDOW_S = 5.0
+"""The window of ``/metrics``' per-second rates (``dinfer_forwards_per_second``, ...)."""
+
 IDLE_WAIT_S = 1.0
 """How long an idle engine loop sleeps between checks when nothing wakes it: every event that
 gives it work sets ``EngineLoop.wake``, so this only bounds a missed one (an idle server wakes
@@ -346,8 +350,11 @@ class Metrics:
             "dinfer_kv_blocks_used", "paged KV blocks held by running requests or the prefix cache", registry=r
         )
         self._prefix_lock = threading.Lock()  # read from the engine thread and from /metrics
-        self._recent: deque[tuple[float, int, int]] = deque()  # (time, committed, rows)
+        self.clock = time.perf_counter
+        self._rates_lock = threading.Lock()  # the window: appended by the engine thread, read by /metrics
+        self._recent: deque[tuple[float, int, int]] = deque()  # (time, committed, rows) of each forward
         self._window_tokens = self._window_rows = 0  # sums of _recent's committed and rows
+        self._first_step: float | None = None  # when the first forward started (a window shorter than RATE_WINDOW_S)
         self._seen = (0, 0)  # engine.stats (computed, padded) at the last step
         # device graphs per batch-size bucket (``Engine.graph_stats``; absent without graphs)
         self.graphs = {
@@ -370,7 +377,7 @@ class Metrics:
     def on_step(self, seconds: float, engine: Engine, committed: int) -> None:
         """One forward's numbers (engine thread, after every step: kept cheap, a counter that did
         not move is not touched)."""
-        now = time.perf_counter()
+        now = self.clock()
         self.forwards.inc()
         if committed:
             self.tokens.inc(committed)
@@ -387,25 +394,39 @@ class Metrics:
         )
         self.read_prefix_cache(engine)
         self.read_graphs(engine)
-        blocks = getattr(engine, "blocks", None)
-        if blocks is not None:
-            self.kv_blocks_used.set(blocks.used)
-        # the rates over the last 5 s: running sums over the window (a step adds, an old one leaves)
+        # the rates' window (RATE_WINDOW_S): running sums, a forward adds, an old one leaves; the
+        # rates themselves are computed when /metrics is read (an idle server's fall to 0)
         running = engine.num_running
-        self._recent.append((now, committed, running))
-        self._window_tokens += committed
-        self._window_rows += running
-        while self._recent[0][0] < now - 5:
+        with self._rates_lock:
+            if self._first_step is None:
+                self._first_step = now - seconds
+            self._recent.append((now, committed, running))
+            self._window_tokens += committed
+            self._window_rows += running
+            self._expire(now)
+        self.waiting.set(engine.num_waiting)
+        self.running.set(running)
+
+    def _expire(self, now: float) -> None:
+        """Drop the forwards older than the window (the rates' lock held)."""
+        while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
             _, c, n = self._recent.popleft()
             self._window_tokens -= c
             self._window_rows -= n
-        span = max(now - self._recent[0][0], seconds, 1e-6)
-        toks, rows = self._window_tokens, self._window_rows
-        self.forwards_per_s.set(len(self._recent) / span)
+
+    def read_rates(self) -> None:
+        """``dinfer_forwards_per_second``, ``dinfer_tokens_per_second`` and
+        ``dinfer_tokens_per_forward`` over the last RATE_WINDOW_S seconds as of now (since the
+        first forward, when that is more recent): an idle server's rates fall to 0."""
+        now = self.clock()
+        with self._rates_lock:
+            self._expire(now)
+            forwards, toks, rows = len(self._recent), self._window_tokens, self._window_rows
+            start = now - RATE_WINDOW_S if self._first_step is None else max(now - RATE_WINDOW_S, self._first_step)
+        span = max(now - start, 1e-6)
+        self.forwards_per_s.set(forwards / span)
         self.tokens_per_s.set(toks / span)
         self.tokens_per_forward.set(toks / rows if rows else 0.0)
-        self.waiting.set(engine.num_waiting)
-        self.running.set(running)
 
     @staticmethod
     def _advance(seen: tuple, now: tuple, counters: tuple) -> tuple:
@@ -443,9 +464,50 @@ class Metrics:
         import prometheus_client as pc
 
         self.read_prefix_cache(engine)
+        self.read_rates()
+        blocks = getattr(engine, "blocks", None)  # read now: an abort frees blocks without a forward
+        if blocks is not None:
+            self.kv_blocks_used.set(blocks.used)
         self.waiting.set(engine.num_waiting)
         self.running.set(engine.num_running)
         return pc.generate_latest(self.registry)
+
+
+class DrainReport:
+    """The two lines a shutdown prints: when draining starts (what is running and waiting) and when
+    the server stopped (how many of the requests in flight then, or sent after, were answered,
+    and how many were cancelled: queued ones, or rows past ``--drain-timeout``)."""
+
+    def __init__(self, engine, held: list[Request]) -> None:
+        self.engine, self.held = engine, held
+        self.since: list[Request] | None = None  # in flight when draining started, and submitted after
+        self._lock = threading.Lock()
+
+    def begin(self, why: str, drain_timeout: float) -> str | None:
+        """The "draining" line, the first time (None after)."""
+        with self._lock:
+            if self.since is not None:
+                return None
+            self.since = [r for r in self.held if not r.done]
+        running, waiting = self.engine.num_running, self.engine.num_waiting
+        return (
+            f"dinfer-rt: {why}: draining: {running} running, {waiting} waiting; admitting no new requests, running "
+            f"rows finish within {drain_timeout:g} s (--drain-timeout)"
+        )
+
+    def submitted(self, reqs: list[Request]) -> None:
+        with self._lock:
+            if self.since is not None:
+                self.since.extend(reqs)
+
+    def end(self) -> str:
+        """The "stopped" line."""
+        reqs = self.since or []
+        answered = sum(1 for r in reqs if r.done and r.finish_reason not in ("abort", "error"))
+        return (
+            f"dinfer-rt stopped: {answered} of the {len(reqs)} requests in flight while draining were answered, "
+            f"{len(reqs) - answered} cancelled or failed"
+        )
 
 
 def _deliver(items: list) -> None:  # on the asyncio loop
@@ -549,7 +611,11 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
     if isinstance(model, Model):  # the pool is checked before it is allocated (replicas: in cmd_serve)
         graphs = model.backend.replays_graphs() and config.engine_args.get("graphs") is not False
         check_pool(model.spec, model.dtype, model.backend.device(), config, graphs=graphs)
-    engine = Engine(model, **engine_kwargs(config, defaults)) if isinstance(model, Model) else model
+    # in this process the front bounds the requests in flight (``admit``), as it does for engine
+    # processes: the engine's own bound would count only its waiting ones, and prompt by prompt
+    engine = (
+        Engine(model, **{**engine_kwargs(config, defaults), "max_queue": None}) if isinstance(model, Model) else model
+    )
     if getattr(engine, "paged", False):  # a pool too small for any default request: say so now
         try:
             engine.check_request([0], defaults.for_model(model.spec), None)
@@ -576,7 +642,10 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
     mask_id = getattr(model, "mask_id", None)  # refused in prompts unless a request sets allow_mask_in_prompt
     eos = set(model.eos_ids)
     answered = {"n": 0}
-    state = {"server": None}
+    state = {"server": None, "shutdown": None}  # serve(): its uvicorn server, and how a shutdown starts
+    started = int(time.time())  # /v1/models' ``created``
+    held: list[Request] = []  # the requests submitted here and maybe in flight (pruned at each submit)
+    app_drain = DrainReport(engine, held)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -593,23 +662,64 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
         answered["n"] += 1
         limit = config.shutdown_after_requests
         if limit is not None and answered["n"] >= limit and state["server"] is not None:
-            state["server"].should_exit = True
+            if state["shutdown"] is not None:
+                state["shutdown"](f"--shutdown-after-requests {limit} reached")
+            else:
+                state["server"].should_exit = True
 
-    def submit(sub: Submission, listeners: list[_Stream]) -> list[Request]:
-        """One engine request per prompt; when one cannot be queued, the ones already queued are
-        cancelled (a batch is answered whole or not at all)."""
+    def capacity() -> tuple[int, str] | None:
+        """The most requests the server holds at once, running or waiting, and what makes it: the
+        KV pool's rows + ``max_queue`` (per engine process: the live replicas' sum; None: none is
+        alive)."""
+        if isinstance(engine, Engine):
+            rows = engine.max_num_seqs
+            return rows + config.max_queue, f"{rows} KV pool rows + max_queue {config.max_queue}"
+        rows = sorted({r for r, alive in zip(engine.kv_rows, engine.alive) if alive})
+        live = sum(engine.alive)
+        if not live:  # every engine process died: requests are answered 503 (``submit``)
+            return None
+        each = " / ".join(str(r) for r in rows)
+        why = f"{each} KV pool rows + max_queue {config.max_queue}"
+        return engine.capacity, why if live == 1 else f"{live} replicas x ({why})"
+
+    def admit(sub: Submission, options: dict, listeners: list[_Stream]) -> list[Request]:
+        """The in-process engine's admission, all prompts or none: each checked, then queued only if
+        the requests in flight leave room for all of them (``capacity``)."""
+        if engine.closed:
+            raise EngineClosed("the engine is shutting down and admits no new requests")
+        for ids in sub.prompts:  # every prompt before any is queued
+            engine.check_request(ids, sub.params, sub.max_tokens)
+        limit, why = capacity()
+        if len(held) + len(sub.prompts) > limit:
+            batch = f" for a batch of {len(sub.prompts)}" if len(sub.prompts) > 1 else ""
+            raise QueueFull(f"the server is full{batch}: {len(held)} requests in flight, at most {limit} ({why})")
         reqs: list[Request] = []
-        # only when asked: a replica pool's submit (workers.py) does not take it yet
-        provisional = {"stream_provisional": True} if sub.stream_provisional else {}
         try:
             for ids, listener in zip(sub.prompts, listeners):
-                options = {"listener": listener, "return_canvas": sub.return_canvas, **provisional}
-                if sub.priority:  # only when set, as stream_provisional
-                    options["priority"] = sub.priority
-                reqs.append(engine.submit(ids, sub.params, max_tokens=sub.max_tokens, **options))
-        except DinferError as e:
+                reqs.append(engine.submit(ids, sub.params, max_tokens=sub.max_tokens, listener=listener, **options))
+        except DinferError:  # (the engine closed meanwhile) the batch is answered whole or not at all
             for req in reqs:
                 engine.abort(req.id)
+            raise
+        return reqs
+
+    def submit(sub: Submission, listeners: list[_Stream]) -> list[Request]:
+        """One engine request per prompt, every one or none (a batch is answered whole or not at
+        all): past the requests the server holds (``capacity``) a 429, and nothing is queued."""
+        options: dict = {"return_canvas": sub.return_canvas}
+        if sub.stream_provisional:  # only when asked, as the priority
+            options["stream_provisional"] = True
+        if sub.priority:
+            options["priority"] = sub.priority
+        held[:] = [r for r in held if not r.done]
+        try:
+            if isinstance(engine, Engine):
+                reqs = admit(sub, options, listeners)
+            else:  # engine processes: the pool routes the batch atomically
+                reqs = engine.submit_many(
+                    sub.prompts, sub.params, max_tokens=sub.max_tokens, listeners=listeners, **options
+                )
+        except DinferError as e:
             loop_holder.wake.set()
             if isinstance(e, QueueFull):
                 raise ApiError(429, f"{e}; retry later", None, "rate_limit_error") from None
@@ -618,6 +728,8 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
                 why = f"the engine is unavailable: {'; '.join(deaths)}" if deaths else str(e)
                 raise ApiError(503, why, None, "server_error") from None
             raise ApiError(400, str(e), _param_of(str(e))) from None  # the engine's admission checks
+        held.extend(reqs)
+        app_drain.submitted(reqs)
         loop_holder.wake.set()
         return reqs
 
@@ -655,7 +767,7 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
             validate = functools.partial(
                 parse, body, chat=chat, tokenizer=tok, defaults=defaults, model_name=config.model_name,
                 max_len=engine.max_model_len, chars_per_token=per_token, mask_id=mask_id,
-                kv_bytes_per_position=getattr(engine, "kv_bytes_per_position", None),
+                kv_bytes_per_position=getattr(engine, "kv_bytes_per_position", None), batch_limit=capacity(),
             )  # fmt: skip
             # tokenising a long prompt must not hold up the event loop: a worker thread does it; a
             # small body (a short prompt) is validated here, where it costs less than the hop there
@@ -791,10 +903,11 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
     }  # the generation endpoints: plain ASGI, ahead of FastAPI's stack (asgi.py says why)
     app = asgi.fast_path_app(fastapi.FastAPI, fast, error_body, title="dinfer-rt", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.serve, app.state.loop = engine, metrics, state, loop_holder
+    app.state.drain = app_drain
 
     def card() -> dict:
         return {
-            "id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "dinfer-rt",
+            "id": config.model_name, "object": "model", "created": started, "owned_by": "dinfer-rt",
             "max_model_len": engine.max_model_len,
         }  # fmt: skip
 
@@ -828,8 +941,10 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
             body["replicas"] = [{"served": n, "alive": a, "pid": pid, "ranks": r} for n, a, pid, r in rows]
         return body
 
-    # vLLM's (and SageMaker's) liveness probe: the same answer as /health
-    app.add_api_route("/ping", health, methods=["GET", "POST"])
+    # vLLM's (and SageMaker's) liveness probe: the same answer as /health (a route per method, so
+    # that each operation of the OpenAPI schema has its own id)
+    app.add_api_route("/ping", health, methods=["GET"], name="ping", operation_id="ping_get")
+    app.add_api_route("/ping", health, methods=["POST"], name="ping_post", operation_id="ping_post")
 
     @app.get("/metrics")
     async def prometheus():
@@ -946,6 +1061,7 @@ def serve(model, defaults: SamplingParams, config: ServeConfig) -> int:
     )  # fmt: skip
     app.state.serve["server"] = server
     loop: EngineLoop = app.state.loop
+    report: DrainReport = app.state.drain
 
     def run_http() -> None:
         try:
@@ -956,15 +1072,29 @@ def serve(model, defaults: SamplingParams, config: ServeConfig) -> int:
     http = threading.Thread(target=run_http, name="dinfer-http", daemon=True)
     loop.watch = http
 
-    def on_signal(_sig, _frame) -> None:
-        if server.should_exit:
-            server.force_exit = True
+    def shut_down(why: str) -> None:
+        """Start uvicorn's graceful shutdown (the lifespan then drains the engine), saying so once."""
+        line = report.begin(why, config.drain_timeout)
         server.should_exit = True
         loop.wake.set()
+        if line is not None:
+            try:
+                print(line, flush=True)
+            except RuntimeError:  # (a signal that arrived inside another print of this thread)
+                pass
+
+    app.state.serve["shutdown"] = shut_down
+
+    def on_signal(sig, _frame) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        shut_down(signal.Signals(sig).name)
 
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     if config.shutdown_after_s is not None:
-        timer = threading.Timer(config.shutdown_after_s, lambda: setattr(server, "should_exit", True))
+        timer = threading.Timer(
+            config.shutdown_after_s, shut_down, (f"--shutdown-after-s {config.shutdown_after_s:g}",)
+        )
         timer.daemon = True
         timer.start()
     try:
@@ -986,6 +1116,8 @@ def serve(model, defaults: SamplingParams, config: ServeConfig) -> int:
             print(f"error: {loop.failure}", file=sys.stderr, flush=True)
             server.should_exit = True
         http.join(timeout=config.drain_timeout + 10)
+        if loop.failure is None:
+            print(report.end(), flush=True)
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)

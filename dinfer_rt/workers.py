@@ -429,29 +429,61 @@ class ReplicaPool:
         stream_provisional: bool = False,
         priority: int = 0,
     ) -> Request:
-        max_tokens = self.check_request(prompt, params, max_tokens)
+        options = {"return_canvas": return_canvas, "stream_provisional": stream_provisional, "priority": priority}
+        ids = None if request_id is None else [request_id]
+        return self.submit_many(
+            [prompt], params, max_tokens=max_tokens, listeners=[listener], request_ids=ids, **options
+        )[0]
+
+    def submit_many(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        max_tokens: int | None = None,
+        listeners: list | None = None,
+        request_ids: list[str] | None = None,
+        return_canvas: bool = False,
+        stream_provisional: bool = False,
+        priority: int = 0,
+    ) -> list[Request]:
+        """Route every prompt, or none (a completions batch): each is checked first, then all are
+        placed at once under the lock; when the live replicas' room (each: its KV pool rows +
+        ``max_queue`` requests in flight) cannot take them all, ``QueueFull`` and nothing is sent,
+        counted or routed."""
+        listeners = listeners or [None] * len(prompts)
+        checked = [self.check_request(p, params, max_tokens) for p in prompts]  # every prompt before any is routed
+        max_tokens = checked[0] if checked else max_tokens
         with self._lock:
             if self.closed:
                 raise EngineClosed("the server is shutting down and admits no new requests")
             live = [i for i in range(self.replicas) if self.alive[i]]
             if not live:
                 raise EngineClosed("every replica has died")
-            turn = next(self._turn)
-            positions = len(prompt) + params.gen_length
-            room = [r for r in live if self.load[r] < self.capacities[r] and self._holds(r, positions)]
-            if not room:
-                raise QueueFull(self._full_message(live))
-            i = min(room, key=lambda r: (self.load[r], (r - turn) % self.replicas))
-            req = Request(
-                request_id or f"req-{next(self._ids)}", list(prompt), params, max_tokens, listener, return_canvas
-            )
-            self.inflight[req.id] = (req, i)
-            self.load[i] += 1
-            self.served[i] += 1
-        req.stream_provisional, req.priority = stream_provisional, priority
-        cmd = ("submit", req.id, list(prompt), params, max_tokens, return_canvas, stream_provisional, priority)
-        self.inboxes[i].put(cmd)
-        return req
+            load, picks = list(self.load), []
+            for prompt in prompts:  # placed on a copy of the loads: committed only if every prompt has room
+                turn = next(self._turn)
+                positions = len(prompt) + params.gen_length
+                room = [r for r in live if load[r] < self.capacities[r] and self._holds(r, positions)]
+                if not room:
+                    batch = f"no room for a batch of {len(prompts)} requests: " if len(prompts) > 1 else ""
+                    raise QueueFull(batch + self._full_message(live))
+                i = min(room, key=lambda r: (load[r], (r - turn) % self.replicas))
+                load[i] += 1
+                picks.append(i)
+            reqs = []
+            for k, (prompt, i, listener) in enumerate(zip(prompts, picks, listeners)):
+                rid = request_ids[k] if request_ids is not None else f"req-{next(self._ids)}"
+                req = Request(rid, list(prompt), params, max_tokens, listener, return_canvas)
+                req.stream_provisional, req.priority = stream_provisional, priority
+                self.inflight[req.id] = (req, i)
+                self.load[i] += 1
+                self.served[i] += 1
+                reqs.append(req)
+        for req, i in zip(reqs, picks):
+            cmd = ("submit", req.id, req.prompt, params, max_tokens, return_canvas, stream_provisional, priority)
+            self.inboxes[i].put(cmd)
+        return reqs
 
     def check_request(self, prompt: list[int], params: SamplingParams, max_tokens: int | None) -> int:
         """What an engine would refuse (``Engine.check_request``), checked here before routing: a

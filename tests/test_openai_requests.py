@@ -12,7 +12,6 @@ every refused one is a 400 whose ``param`` and message name the field. Around it
 from __future__ import annotations
 
 import inspect
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -201,8 +200,8 @@ REFUSED = [
      "token 99 is outside the vocabulary"),
     ("batch-untokenisable", False, {"prompt": [P1, "ab C"]}, "prompt[1]", "the tokenizer does not know"),
     ("batch-too-many", False, {"prompt": ["ab"] * 257}, "prompt", "at most 256"),
-    ("batch-long-prompt-leaves-no-room", False, {"prompt": [[1, 7], [7] * 60], "max_tokens": 8}, "max_tokens",
-     "must be in [1, 4]"),
+    ("batch-long-prompt-leaves-no-room", False, {"prompt": [[1, 7], [7] * 60], "max_tokens": 8}, "prompt[1]",
+     "the prompt is 60 tokens; the max model length 64 leaves 4, less than one block of 8"),
     ("user-not-a-string", True, {**_chat("ab"), "user": 5}, "user", "must be a string"),
     ("n-2", False, {"prompt": P1, "n": 2}, "n", "must be 1"),
     ("vllm-top-k", False, {"prompt": P1, "top_k": 5}, "top_k", "not supported by this server"),
@@ -327,19 +326,18 @@ def test_model_card_version_and_ping(server):
         assert r.status_code == 200 and r.json()["status"] == "ok", r.text
 
 
-def test_a_batch_that_does_not_fit_the_queue_is_refused_whole(server):
-    """A batch of 40 prompts can never fit 8 rows and a queue of 16: a 429 naming the queue, and
-    the prompts it had queued are cancelled (nothing left running or waiting); the server then
-    answers as before."""
+def test_a_batch_that_can_never_fit_is_a_400_that_submits_nothing(server):
+    """A batch of 40 prompts can never fit 8 rows and a queue of 16 (the server holds 24 requests
+    at once): a 400 naming ``prompt`` and the limit, checked before anything is queued (nothing
+    running or waiting, no abort counted); the server then answers as before."""
     aborted = server.metric('dinfer_requests_total{finish_reason="abort"}')
     r = httpx.post(server.url + "/v1/completions", json={"prompt": [P1] * 40, "max_tokens": 8}, timeout=60)
-    assert r.status_code == 429 and "max_queue 16" in r.json()["error"]["message"], r.text
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        health = httpx.get(server.url + "/health").json()
-        if health["running"] == health["waiting"] == 0:
-            break
-        time.sleep(0.1)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt", err
+    assert "holds 40 prompts, but this server holds at most 24 requests at once" in err["message"], err
+    assert "(8 KV pool rows + max_queue 16)" in err["message"], err
+    health = httpx.get(server.url + "/health").json()
     assert health["running"] == health["waiting"] == 0, health
-    assert server.metric('dinfer_requests_total{finish_reason="abort"}') >= aborted + 1
+    assert server.metric('dinfer_requests_total{finish_reason="abort"}') == aborted
     assert _create(server, False, {"prompt": P1}).choices[0].text

@@ -95,6 +95,9 @@ def test_the_split_server_answers_as_offline_and_sigterm_drains_both_processes(o
         assert task.check(items[1].letters, sent), sent
         assert s.proc.wait(timeout=60) == 0
         assert _gone(engine, 30)
+        log = s.proc.stdout.read()  # a clean shutdown says when it drains and what it drained
+        assert "dinfer-rt: SIGTERM: draining: 1 running, 0 waiting" in log, log[-2000:]
+        assert "dinfer-rt stopped: 1 of the 1 requests in flight while draining were answered, 0 cancelled" in log
     finally:
         s.stop()
 

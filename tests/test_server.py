@@ -282,6 +282,9 @@ def test_sigterm_finishes_running_rows_then_exits_0(small_server):
     text += "".join(json.loads(x[6:])["choices"][0]["text"] for x in rest if x.startswith("data: {"))
     assert task.check("mnbvcxzlkj", text)
     assert small_server.proc.wait(timeout=30) == 0
+    log = small_server.proc.stdout.read()  # one line when draining starts, one when stopped
+    assert "dinfer-rt: SIGTERM: draining: 1 running, 0 waiting" in log, log[-2000:]
+    assert "dinfer-rt stopped: 1 of the 1 requests in flight while draining were answered, 0 cancelled" in log
 
 
 def _gone(pid: int) -> bool:

@@ -115,10 +115,27 @@ def test_the_replica_front_admits_each_replicas_kv_pool_rows_plus_max_queue(repl
         replicas.step()
 
 
-def test_served_replicas_answer_a_batch_past_their_kv_rows_with_a_429_naming_them():
+def test_the_replica_front_routes_a_batch_whole_or_not_at_all(replicas):
+    """``ReplicaPool.submit_many``: a batch past the replicas' room is ``QueueFull`` with nothing
+    routed (loads, routing counts and requests in flight unchanged); one that fits is placed whole."""
+    assert replicas.load == [0, 0]
+    served = list(replicas.served)
+    with pytest.raises(QueueFull, match="no room for a batch of 5 requests: every replica is full"):
+        replicas.submit_many([[7 + i, 8, 9] for i in range(5)], PARAMS)
+    assert replicas.load == [0, 0] and replicas.served == served and not replicas.inflight
+    reqs = replicas.submit_many([[7 + i, 8, 9] for i in range(4)], PARAMS)
+    assert replicas.load == [2, 2] and sum(replicas.served) == sum(served) + 4
+    with pytest.raises(QueueFull):
+        replicas.submit_many([[7, 8, 9]], PARAMS)
+    while not all(r.done for r in reqs):
+        replicas.step()
+    assert all(r.error is None for r in reqs) and replicas.load == [0, 0]
+
+
+def test_served_replicas_answer_a_batch_past_their_kv_rows_with_a_400_naming_them():
     """``serve --data-parallel-size 2 --kv-cache-memory`` (one row each) ``--max-queue 1``: a
-    completions batch of 4 prompts fits (2 x (1 row + 1 queued)), one of 5 is a 429 (asked
-    after the 4 finished, so nothing else is in flight)."""
+    completions batch of 4 prompts fits (2 x (1 row + 1 queued)), one of 5 can never fit: a 400
+    naming ``prompt`` and the replicas' rows, and nothing is routed to either replica."""
     s = ServerProcess(
         "--data-parallel-size", "2", "--max-num-seqs", "8", "--max-queue", "1",
         "--kv-cache-memory", str(BUDGET), "--kv-block-size", "0", "--strategy", "threshold", "--block-length", "8",
@@ -131,10 +148,13 @@ def test_served_replicas_answer_a_batch_past_their_kv_rows_with_a_429_naming_the
         fits = httpx.post(url, json={**body, "prompt": [[7 + i, 8] for i in range(4)]}, timeout=120)
         assert fits.status_code == 200, fits.text
         assert len(fits.json()["choices"]) == 4
+        served = [r["served"] for r in httpx.get(s.url + "/health").json()["replicas"]]
         full = httpx.post(url, json={**body, "prompt": [[7 + i, 8] for i in range(5)]}, timeout=120)
-        assert full.status_code == 429, full.text  # max_num_seqs (8) + max_queue would have admitted 18
-        message = full.json()["error"]["message"]
-        assert "KV pool rows + max_queue 1 requests" in message and "holds 2 of 2 (1 rows)" in message
+        assert full.status_code == 400, full.text  # max_num_seqs (8) + max_queue would have admitted 18
+        err = full.json()["error"]
+        assert err["param"] == "prompt", err
+        assert "at most 4 requests at once (2 replicas x (1 KV pool rows + max_queue 1))" in err["message"], err
+        assert [r["served"] for r in httpx.get(s.url + "/health").json()["replicas"]] == served
         # the replicas' pools in /metrics; a request too long for a row is told its K/V bytes
         assert s.metric("dinfer_kv_pool_rows") == 2 and s.metric("dinfer_kv_pool_bytes") == 2 * EMBEDDED_ROW
         long = httpx.post(url, json={**body, "prompt": [7] * 60, "max_tokens": 3}, timeout=60)  # 60 + 8 > 64
