@@ -21,7 +21,7 @@ from dinfer_rt.engine_args import PREFIX_CACHE_MODES, EngineArgs
 from dinfer_rt.errors import DinferError
 from dinfer_rt.files import check_output_file
 from dinfer_rt.sampling import CACHES, STRATEGIES, SamplingParams
-from dinfer_rt.strategies import PRESETS, preset_fields
+from dinfer_rt.strategies import PRESETS, preset_fields, unread
 
 
 def _int_in(low: int, high: int | None = None):
@@ -76,8 +76,7 @@ def _fraction(text: str) -> float:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        type=Path,
-        default=None,
+        default=None,  # a string until _resolve_model_args: an empty one is refused by name, not read as '.'
         help="model folder, or a hub id ORG/NAME (default: $DINFER_MODEL or the embedded model)",
     )
     _add_hub_args(p)
@@ -334,7 +333,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
         "llada2.1-speed: 0.5 / 0.0 / 16); explicit flags override it",
     )
     p.add_argument("--strategy", choices=STRATEGIES, default=None, help=f"decision rule (default {d.strategy})")
-    p.add_argument("--cache", choices=CACHES, default=d.cache)
+    p.add_argument("--cache", choices=CACHES, default=None, help=f"K/V cache policy (default {d.cache})")
     p.add_argument(
         "--threshold", type=float, default=None, help=f"confidence threshold (threshold rules; default {d.threshold})"
     )
@@ -357,19 +356,24 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="joint_threshold: subtract from the logit of the previous slot's token (0: off, the default)",
     )
-    p.add_argument("--low-threshold", type=float, default=d.low_threshold, help="hierarchical: per-run threshold")
-    p.add_argument("--factor", type=float, default=d.factor, help="factor rule's f")
+    p.add_argument(
+        "--low-threshold",
+        type=float,
+        default=None,
+        help=f"hierarchical: per-run threshold (default {d.low_threshold})",
+    )
+    p.add_argument("--factor", type=float, default=None, help=f"factor rule's f (default {d.factor})")
     p.add_argument(
         "--refresh-bound",
         type=int,
-        default=d.refresh_bound,
+        default=None,
         help="adaptive / anchored / delayed cache: refresh all K/V once a row committed this many tokens since the "
         "last refresh",
     )
     p.add_argument(
         "--refresh-window",
         type=int,
-        default=d.refresh_window,
+        default=None,
         help="adaptive / anchored / delayed cache: positions before the block recomputed each step (default: "
         "adaptive the whole prefix, anchored and delayed none besides the prompt)",
     )
@@ -403,22 +407,77 @@ _SAME_NAMED = (
 ).split()
 
 
-def _params(a: argparse.Namespace) -> SamplingParams:
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _params(a: argparse.Namespace, request_settable=()) -> SamplingParams:
+    """The request settings the sampling flags give (a ``--preset`` under them), validated; a
+    rule-specific flag given explicitly that this run's strategy / cache / precision schedule
+    does not read (``strategies.READ_BY``) is an error naming both, not silently ignored.
+    ``request_settable``: the settings a request may change itself (``serve``: the flags are its
+    defaults), whose conditions are not checked here."""
     fields = {name: getattr(a, name) for name in _SAME_NAMED}
+    given = [name for name, v in fields.items() if v is not None and v is not False]  # store_true: False unset
+    from_preset = set()
     if getattr(a, "preset", None) is not None:  # the preset's values where no flag was given
         for name, value in preset_fields(a.preset).items():
             if fields.get(name) is None:
                 fields[name] = value
+                from_preset.add(name)
     fields = {name: v for name, v in fields.items() if v is not None}  # unset: SamplingParams' default
-    return SamplingParams(**fields, early_stop=not a.no_early_stop, chat=not a.raw, stop=tuple(a.stop)).validate()
+    params = SamplingParams(**fields, early_stop=not a.no_early_stop, chat=not a.raw, stop=tuple(a.stop))
+    # block_causal=True: whether gen_length must be a multiple of block_length is the model's to say
+    # (block-causal families align blocks to position 0); _check_for_model asks it before the load
+    params.validate(block_causal=True)
+    for name, setting, values in unread(params, given, request_settable):
+        value = getattr(params, setting)
+        source = (
+            f", from --preset {a.preset}" if setting in from_preset else "" if setting in given else ", the default"
+        )
+        if values is None:
+            needs, this_run, fix = f"runs with {_flag(setting)}", "none", f"add {_flag(setting)}"
+        else:
+            needs, this_run, fix = f"{_flag(setting)} {', '.join(values)}", value, f"add {_flag(setting)} {values[0]}"
+        raise DinferError(
+            f"{_flag(name)} applies to {needs} (this run: {this_run}{source}); {fix} or drop {_flag(name)}"
+        )
+    return params
+
+
+def _sampling(a: argparse.Namespace) -> SamplingParams:
+    """This run's request settings, checked once, before any model resolves or loads (``main``
+    calls it first): ``serve``'s are the defaults of requests, which may set their own strategy,
+    cache and rule-specific fields (``openai_protocol.DIFFUSION_FIELDS``)."""
+    if getattr(a, "sampling", None) is None:
+        settable = ()
+        if a.command == "serve":
+            from dinfer_rt.openai_protocol import DIFFUSION_FIELDS
+
+            settable = DIFFUSION_FIELDS
+        a.sampling = _params(a, settable)
+    return a.sampling
+
+
+def _check_for_model(a: argparse.Namespace) -> None:
+    """The request settings against the model's config.json (read, nothing loaded), once
+    ``--model`` names a folder: e.g. a gen_length that is no multiple of the block length, which
+    only a block-causal family accepts. ``serve`` checks its defaults itself (``_check_serve_defaults``)."""
+    if not hasattr(a, "gen_length") or a.command == "serve":
+        return
+    from dinfer_rt.loader import default_model_path
+    from dinfer_rt.model_spec import parse_spec
+
+    _sampling(a).for_model(parse_spec(a.model or default_model_path()))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
 
     if a.tensor_parallel_size > 1 or a.data_parallel_size > 1:
         return _generate_tensor_parallel(a)
+    params = _sampling(a)  # checked before the model loads
     llm = _llm(a)  # one process: the model and engine flags as every command reads them
-    outs = llm.generate(a.prompts, _params(a), allow_mask_in_prompt=a.allow_mask_in_prompt)
+    outs = llm.generate(a.prompts, params, allow_mask_in_prompt=a.allow_mask_in_prompt)
     for o in outs:
         if a.json:
             print(json.dumps({"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids, **asdict(o.stats)}))
@@ -439,14 +498,14 @@ def _generate_tensor_parallel(a: argparse.Namespace) -> int:
     from dinfer_rt.loader import default_model_path
     from dinfer_rt.model_spec import parse_spec
 
-    world = a.tensor_parallel_size
+    world, params = a.tensor_parallel_size, _sampling(a)
     if a.quantization is not None:
         raise DinferError("--quantization with --tensor-parallel-size / --data-parallel-size is not supported yet")
     parallel.check_split(parse_spec(a.model or default_model_path()), world, a.expert_parallel)  # before spawning
     rank = _torchrun_rank(a)
     if rank is not None:  # started by torchrun
         outs = generate_on_rank(
-            rank, world, a.model, a.prompts, _params(a), a.backend, a.dtype, a.expert_parallel,
+            rank, world, a.model, a.prompts, params, a.backend, a.dtype, a.expert_parallel,
             allow_mask_in_prompt=a.allow_mask_in_prompt, **_engine_args(a),
         )  # fmt: skip
         if rank != 0:
@@ -454,7 +513,7 @@ def _generate_tensor_parallel(a: argparse.Namespace) -> int:
     else:  # worker processes this LLM starts (kept for its life: here, one call)
         llm = _llm(a)
         try:
-            outs = llm.generate(a.prompts, _params(a), allow_mask_in_prompt=a.allow_mask_in_prompt)
+            outs = llm.generate(a.prompts, params, allow_mask_in_prompt=a.allow_mask_in_prompt)
         finally:
             llm.close()
     for prompt, o in zip(a.prompts, outs):
@@ -466,7 +525,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from dinfer_rt.loader import load_model
     from dinfer_rt.server import ServeConfig, check_before_load, serve
 
-    defaults = _params(a)
+    defaults = _sampling(a)
     config = ServeConfig(
         host=a.host,
         port=a.port,
@@ -527,6 +586,34 @@ def _check_serve_defaults(path, defaults: SamplingParams, config) -> SamplingPar
     return defaults
 
 
+_EVAL_DATA_FLAGS = {
+    "prompt_field": "prompt",
+    "answer_field": "answer",
+    "metric": "exact",
+    "regex": None,
+    "output": None,
+}
+
+
+def _check_eval_flags(a: argparse.Namespace) -> None:
+    """``eval``'s ``--data`` flags: one given without ``--data`` (the held-out set reads none of
+    them), or ``--regex`` under another metric, is an error naming it; then the defaults."""
+    for name in _EVAL_DATA_FLAGS:
+        if a.data is None and getattr(a, name) is not None:
+            raise DinferError(
+                f"eval {_flag(name)} applies to eval --data FILE.jsonl (this run: the embedded model's held-out "
+                f"set); add --data FILE.jsonl or drop {_flag(name)}"
+            )
+    if a.regex is not None and a.metric != "regex":
+        this_run = "exact, the default" if a.metric is None else a.metric
+        raise DinferError(
+            f"eval --regex applies to --metric regex (this run: {this_run}); add --metric regex or drop --regex"
+        )
+    for name, default in _EVAL_DATA_FLAGS.items():
+        if getattr(a, name) is None:
+            setattr(a, name, default)
+
+
 def cmd_eval(a: argparse.Namespace) -> int:
 
     if a.data is not None:
@@ -538,12 +625,13 @@ def cmd_eval(a: argparse.Namespace) -> int:
             check_output_file(a.output, "--output")
     elif a.limit is not None and a.limit > 1000:
         raise DinferError(f"eval --limit {a.limit}: the held-out set has 1000 items")
+    params = _sampling(a)  # checked before the model loads
     llm = _llm(a)
     if a.data is not None:
         return _eval_data(llm, a)
     from dinfer_rt.demo.bench import evaluate
 
-    r = evaluate(llm, _params(a), limit=a.limit or 1000, progress=not a.json and a.rank == 0)
+    r = evaluate(llm, params, limit=a.limit or 1000, progress=not a.json and a.rank == 0)
     if a.rank != 0:  # a torchrun rank other than 0: the same result, reported once by rank 0
         return 0
     if a.json:
@@ -561,7 +649,7 @@ def _eval_data(llm, a: argparse.Namespace) -> int:
 
     r = evaluate_file(
         llm,
-        _params(a),
+        _sampling(a),
         a.data,
         prompt_field=a.prompt_field,
         answer_field=a.answer_field,
@@ -597,7 +685,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     """Per-step latency percentiles, tokens/s and peak memory for one configuration."""
     from dinfer_rt.validation.perf import measure
 
-    params = _params(a)
+    params = _sampling(a)
     if a.tensor_parallel_size > 1:
         from dinfer_rt import parallel
 
@@ -672,11 +760,26 @@ def bench_on_rank(
         runner.stop()
 
 
+def _check_names(flag: str, text: str) -> None:
+    """A comma-separated list flag (``validate --backends`` / ``--dtypes``): no name at all, or an
+    empty item, is an error naming the flag (validating nothing would print a pass)."""
+    items = [x.strip() for x in text.split(",")]
+    if not any(items):
+        raise DinferError(
+            f"validate {flag} {envs.shown(text)} names nothing; give comma-separated names"
+            + (" or all (the available backends)" if flag == "--backends" else " (float32, bfloat16, ...)")
+        )
+    if "" in items:
+        raise DinferError(f"validate {flag} {envs.shown(text)}: item {items.index('') + 1} is empty")
+
+
 def cmd_validate(a: argparse.Namespace) -> int:
     from dinfer_rt.files import write_text_atomic
     from dinfer_rt.validation.markdown import render
     from dinfer_rt.validation.runner import validate
 
+    for flag, text in (("--backends", a.backends), ("--dtypes", a.dtypes)):
+        _check_names(flag, text)
     for flag, target in (("--json", a.json), ("--markdown", a.markdown)):  # unwritable: fails now, not after
         if target:
             check_output_file(target, f"{flag} report")
@@ -735,21 +838,43 @@ def cmd_ir(a: argparse.Namespace) -> int:
     if a.backend is None:
         print(graph)
         return 0
+    print(_annotated(graph, a.backend))
+    return 0
+
+
+def _annotated(graph, choice: str) -> str:
+    """``graph`` with the kernel each node gets on backend ``choice`` (``name[:flavour[:arch]]``).
+    Listing kernels needs no device, so an unavailable backend is annotated too, as long as its
+    kernel table builds without its runtime (the Triton backends'); one whose kernels are its
+    runtime's operators (ascend: torch_npu's) is refused with the reason it is unavailable."""
+    from dinfer_rt.errors import BackendError
     from dinfer_rt.executor import Executable
-    from dinfer_rt.plugins import registry
+    from dinfer_rt.plugins import availability, contributions, parse_choice, registry, select_backend
 
     reg = registry()
-    if a.backend not in reg.backends:  # listing kernels needs no device, so unavailable backends are fine
-        from dinfer_rt.plugins import select_backend
-
-        select_backend(a.backend)  # raises the standard unknown-backend error
-    from dinfer_rt.plugins import contributions
-
-    backend = reg.backends[a.backend]()
+    name, flavour, arch = parse_choice(choice, "--backend")
+    if name not in reg.backends:
+        select_backend(choice)  # raises the standard unknown-backend error
+    backend = reg.backends[name]()
+    if flavour:
+        backend.flavour = flavour
+    if arch:
+        backend.arch = arch
+    if (bad := backend.validate_choice()) is not None:
+        raise BackendError(f"{bad} (from --backend)")
+    av = availability(backend)
     backend.contributions = contributions(backend)
-    table = backend.kernel_table()
-    print(Executable.annotate(graph, {op: src for op, (_, src) in table.items()}, a.backend))
-    return 0
+    try:
+        table = backend.kernel_table()
+    except Exception as e:
+        if av.ok:
+            raise
+        detail = "" if isinstance(e, DinferError) else f" ({type(e).__name__}: {e})"
+        raise BackendError(
+            f"ir --backend {choice}: backend {name!r} is unavailable: {av.reason}; its kernels cannot be listed "
+            f"without it{detail}"
+        ) from None
+    return Executable.annotate(graph, {op: src for op, (_, src) in table.items()}, choice)
 
 
 def cmd_backends(a: argparse.Namespace) -> int:
@@ -922,9 +1047,10 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="accuracy and speed: the embedded model's held-out set, or --data FILE.jsonl")
     e.add_argument("--limit", type=_int_in(1), default=None, help="first N items (default: all; held-out set: 1000)")
     e.add_argument("--data", type=Path, default=None, help="a JSONL file of prompt/answer objects")
-    e.add_argument("--prompt-field", default="prompt", help="--data: the prompt's field name")
-    e.add_argument("--answer-field", default="answer", help="--data: the reference answer's field name")
-    e.add_argument("--metric", default="exact", help="--data: exact, contains or regex")
+    # the --data flags default to None: one given without --data is refused (_check_eval_flags)
+    e.add_argument("--prompt-field", default=None, help="--data: the prompt's field name (default prompt)")
+    e.add_argument("--answer-field", default=None, help="--data: the reference answer's field name (default answer)")
+    e.add_argument("--metric", default=None, help="--data: exact (default), contains or regex")
     e.add_argument("--regex", default=None, help="--data, metric regex: pattern whose group 1 is the answer")
     e.add_argument(
         "--output", type=Path, default=None, help="--data: write per-item results here (JSONL; - for standard output)"
@@ -962,12 +1088,17 @@ def build_parser() -> argparse.ArgumentParser:
     kc.add_argument("--json", action="store_true")
     kc.set_defaults(func=cmd_kernels)
     i = sub.add_parser("ir", help="print the IR graph of a model (from its config.json)")
-    i.add_argument("--model", type=Path, default=None, help="model folder or hub id ORG/NAME")
+    i.add_argument("--model", default=None, help="model folder or hub id ORG/NAME")
     _add_hub_args(i, template=False)
     i.add_argument("--dtype", default=None)
     i.add_argument("--cached", action="store_true", help="the KV-cache variant of the graph")
     i.add_argument("--block-size", type=_int_in(1), default=None, help="block-causal block size (LLaDA2)")
-    i.add_argument("--backend", default=None, help="mark which kernel each node gets on this backend")
+    i.add_argument(
+        "--backend",
+        default=None,
+        help="mark which kernel each node gets on this backend name[:flavour[:arch]] (also one unavailable here, "
+        "where its kernels need no runtime: cuda, rocm_dcu)",
+    )
     i.set_defaults(func=cmd_ir)
     b = sub.add_parser("backends", help="list backends and why each is or is not available")
     b.add_argument("--json", action="store_true")
@@ -977,11 +1108,62 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# string flags that are paths: any bytes a file name may hold are fine there (surrogateescape round-trips)
+_PATH_ARGS = ("model", "json", "markdown")
+
+
+def _not_utf8(text: str) -> str | None:
+    """Why an argument is not UTF-8, or None: Python decodes the command line with
+    ``surrogateescape``, so a byte that is not UTF-8 arrives as a lone surrogate U+DC80..U+DCFF."""
+    bad = [i for i, ch in enumerate(text) if "\udc80" <= ch <= "\udcff"]
+    if not bad:
+        return None
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+        offset = len(text[: bad[0]].encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError:  # also a real lone surrogate (an in-process argv): characters, not bytes
+        raw, offset = None, bad[0]
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    shown = envs.shown(text) if raw is None else repr(raw[:80]) + (f"... ({len(raw)} bytes)" if len(raw) > 80 else "")
+    return f"{shown} has a byte that is not UTF-8 (0x{ord(text[bad[0]]) - 0xDC00:02x}) at position {offset}{more}"
+
+
+_NOT_EMPTY = (
+    ("model", "a model folder or a hub id ORG/NAME", f"${envs.DINFER_MODEL} or the embedded model"),
+    ("backend", "a backend name[:flavour[:arch]] (dinfer-rt backends lists them)", f"${envs.DINFER_BACKEND} or auto"),
+)
+
+
+def _check_args(a: argparse.Namespace) -> None:
+    """What the flags alone can refuse, before a hub id resolves (a download) or a model loads: text
+    that is not UTF-8, an empty --model / --backend, the request settings, eval's --data flags."""
+    for name, value in vars(a).items():
+        if name in _PATH_ARGS:
+            continue
+        values = value if isinstance(value, list) else [value]
+        for i, v in enumerate(values):
+            why = _not_utf8(v) if isinstance(v, str) else None
+            if why is not None:
+                what = f"prompt {i + 1}" if name == "prompts" else _flag(name)
+                raise DinferError(f"{what} {why}; arguments are read as UTF-8")
+    for name, what, otherwise in _NOT_EMPTY:
+        v = getattr(a, name, None)
+        if isinstance(v, str) and not v.strip() and not os.path.exists(v):  # '' would read as '.' / as auto
+            empty = "is empty" if v == "" else "is only whitespace"
+            raise DinferError(f"--{name} {v!r} {empty}; give {what}, or leave --{name} out for {otherwise}")
+    if hasattr(a, "gen_length"):
+        _sampling(a)
+    if a.command == "eval":
+        _check_eval_flags(a)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     finished = False
     try:
+        _check_args(args)
         _resolve_model_args(args)
+        _check_for_model(args)
         code = args.func(args)
         finished = True
         return code

@@ -164,7 +164,8 @@ def make_hierarchical(high: float, low: float) -> Callable:
         b, L = s.masked.shape
         start = s.masked & ~torch.nn.functional.pad(s.masked, (1, 0))[:, :L]
         seg = start.long().cumsum(-1) * s.masked  # segment id per masked slot, 0 elsewhere
-        seg_max = torch.full((b, L + 1), NEG, device=conf.device).scatter_reduce(1, seg, conf, reduce="amax")
+        seg_max = torch.full((b, L + 1), NEG, dtype=conf.dtype, device=conf.device)  # float64 logits: float64
+        seg_max = seg_max.scatter_reduce(1, seg, conf, reduce="amax")
         rep = s.masked & (conf == seg_max.gather(1, seg)) & (conf > low)
         return x0, _at_least_one((conf > high) | rep, conf, s.masked)
 
@@ -305,6 +306,46 @@ SCORE_KIND = {
 }
 """Rules that, when greedy, need only each position's argmax and one score (the confidence head's kind)."""
 STATS_ONLY = tuple(SCORE_KIND)
+
+REFRESHED_CACHES = ("adaptive", "anchored", "delayed")
+"""Cache policies with a periodic full refresh (``refresh_bound``) and a refresh window (``cache_policy``)."""
+KV_CACHES = ("prefix", "dual", "vicinity", *REFRESHED_CACHES)
+"""Cache policies that reuse K/V across forwards (every one but ``none``)."""
+
+READ_BY: dict[str, tuple[tuple[str, tuple[str, ...] | None], ...]] = {
+    # field: the conditions under which a decode reads it, each (setting, its values that read the
+    # field; None: any value but None); a field is read when all of them hold
+    "threshold": (("strategy", ("threshold", "hierarchical", "credit", "low_confidence_dynamic", "joint_threshold")),),
+    "low_threshold": (("strategy", ("hierarchical",)),),
+    "factor": (("strategy", ("factor",)),),
+    "steps": (("strategy", SCHEDULED),),  # the linear schedule's quota; the threshold rules run to no mask
+    "edit_threshold": (("strategy", EDITING),),
+    "max_post_steps": (("strategy", EDITING),),
+    "penalty_lambda": (("strategy", EDITING),),
+    "refresh_bound": (("cache", REFRESHED_CACHES),),
+    "refresh_window": (("cache", REFRESHED_CACHES),),
+    "precision_refresh": (("precision_schedule", None), ("cache", KV_CACHES)),
+}
+"""Which strategy / cache / setting reads each rule-specific SamplingParams field (``build`` binds
+the strategies' fields, ``cache_policy`` the caches', ``decode`` ``precision_refresh``). A field
+set explicitly that the run does not read would be ignored silently: ``unread`` names it."""
+
+
+def unread(params, given, request_settable=()) -> list[tuple[str, str, tuple[str, ...] | None]]:
+    """For each field named in ``given`` (set explicitly, not by a preset or a default) that
+    ``params`` would not read (``READ_BY``), ``(field, setting, values)``: its first condition
+    ``params`` does not meet. Conditions on a setting in ``request_settable`` are skipped (a
+    server's default for a field a request can make read by setting that setting itself)."""
+    out = []
+    for name in given:
+        for setting, values in READ_BY.get(name, ()):
+            if setting in request_settable:
+                continue
+            value = getattr(params, setting)
+            if value is None if values is None else value not in values:
+                out.append((name, setting, values))
+                break
+    return out
 
 
 def build(params) -> Callable[[StepInput], tuple[torch.Tensor, torch.Tensor]]:

@@ -18,6 +18,7 @@ import torch
 
 from dinfer_rt.backend import Availability, Backend, Capabilities
 from dinfer_rt.envs import DINFER_GRAPHS, DINFER_INTERPRET, flag
+from dinfer_rt.errors import BackendError
 from dinfer_rt.plugins import hookimpl
 
 DINFER_RT_HOOK_API = 2
@@ -86,6 +87,8 @@ class AscendBackend(Backend):
         """torch_npu fused operators for the ops that have one (imported here, after selection,
         once: importing registers the ``npu`` device), plus the shared Triton confidence kernel
         under Ascend's launch rules (``launch.py``)."""
+        if not (av := self.is_available()):  # unselected (ir --backend ascend): never import torch_npu here
+            raise BackendError(f"ascend: its kernels are torch_npu operators, unavailable here: {av.reason}")
         import torch_npu
 
         from dinfer_rt.backends.ascend.ops import make_kernels
