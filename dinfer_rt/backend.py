@@ -8,27 +8,53 @@ passes, launch overrides) is gathered once, when the backend is selected, and ha
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
+from dinfer_rt.errors import BackendError
 from dinfer_rt.executor import Executable, Kernel
 from dinfer_rt.ir import OPS, Graph
 from dinfer_rt.platform import Availability, Capabilities, Platform
 
-__all__ = ["Availability", "Backend", "Capabilities", "Contributions", "Platform"]
+__all__ = ["Availability", "Backend", "Capabilities", "Contributions", "Platform", "kernel_table_problem"]
+
+
+def closest_ops(name: str) -> str:
+    """The IR op names closest to ``name`` (difflib), for an error about an unknown op."""
+    close = difflib.get_close_matches(name, OPS, n=3, cutoff=0.6)
+    if close:
+        return "closest IR ops: " + ", ".join(close)
+    return "no IR op has a close name; the ops are dinfer_rt.ir.OPS"
+
+
+def kernel_table_problem(table: object) -> str | None:
+    """Why ``table`` is not a kernel table ``{ir_op: callable}`` (its first fault), or None.
+    Checked once where a table is collected (selection, compile), never per op at run time."""
+    if not isinstance(table, Mapping):
+        return f"returned {type(table).__name__}, expected a dict {{ir_op: kernel}}"
+    for op, kernel in table.items():
+        if op not in OPS:
+            return f"names unknown IR op {op!r} ({closest_ops(str(op))})"
+        if not callable(kernel):
+            return f"maps IR op {op!r} to {type(kernel).__name__} {kernel!r:.40}, which is not callable"
+    return None
 
 
 @dataclass(frozen=True)
 class Contributions:
     """Plugin additions for one backend. ``kernels``: (plugin, {op: kernel}) in the order they
     apply (a later entry overrides an earlier one); ``passes`` run after the shared pipeline;
-    ``launch``: kernel -> launch parameters overriding the backend's own table."""
+    ``launch``: kernel -> launch parameters overriding the backend's own table; ``faults``: the
+    plugin failures (``dinfer_rt.plugins.PluginFailure``) met while gathering them, whose
+    contributions were dropped (``validate`` fails the backend on them)."""
 
     kernels: tuple[tuple[str, Mapping[str, Kernel]], ...] = ()
     passes: tuple = ()
     launch: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
+    faults: tuple = ()
 
 
 class Backend(Platform):
@@ -50,10 +76,20 @@ class Backend(Platform):
 
     def kernel_table(self) -> dict[str, tuple[Kernel, str]]:
         """IR op -> (kernel, source): native kernels, then plugin contributions, else the fallback."""
-        table = {op: (k, "fallback:reference") for op, k in self.fallback_kernels().items()}
-        table.update({op: (k, "native") for op, k in self.kernels().items()})
+        table = {op: (k, "fallback:reference") for op, k in self._checked("fallback_kernels").items()}
+        table.update({op: (k, "native") for op, k in self._checked("kernels").items()})
         for plugin, kernels in self.contributions.kernels:
             table.update({op: (k, f"plugin:{plugin}") for op, k in kernels.items()})
+        return table
+
+    def _checked(self, method: str) -> Mapping[str, Kernel]:
+        """``self.<method>()``, refused with a :class:`BackendError` naming the backend, the
+        method and the fault when it is not ``{ir_op: callable}`` (a misspelt op would otherwise
+        quietly fall back, a non-callable fail inside the generated code at the first forward)."""
+        table = getattr(self, method)()
+        if (why := kernel_table_problem(table)) is not None:
+            cls = type(self)
+            raise BackendError(f"backend {self.name!r} ({cls.__module__}.{cls.__qualname__}): {method}() {why}")
         return table
 
     def commit_kernel(self) -> Callable | None:

@@ -38,8 +38,9 @@ DINFER_CPU_MATMUL = "DINFER_CPU_MATMUL"
 summed in float32 (AVX512-BF16 CPUs; about 2x the float32 GEMM's speed, bfloat16 accuracy)."""
 DINFER_CPU_BLAS = "DINFER_CPU_BLAS"
 """CPU layer blocks: path of a shared library exporting Fortran ``sgemm_`` (LP64) to call instead
-of the one torch links; self-checked against ``torch.mm`` first (a library named here that is missing or fails the check is an
-error when a model loads; torch's own failing it turns the GEMMs off)."""
+of the one torch links; self-checked against ``torch.mm`` first (a library named here that is
+missing or fails the check is an error when a model loads; torch's own failing it turns the GEMMs
+off)."""
 DINFER_MODEL = "DINFER_MODEL"
 """Default model folder for the CLI and ``LLM()``; unset means the embedded model."""
 DINFER_USE_MODELSCOPE = "DINFER_USE_MODELSCOPE"

@@ -81,6 +81,13 @@ class Executable:
         for i, node in enumerate(graph.nodes):
             if node.op not in kernels:
                 raise BackendError(f"{backend}: no kernel for IR op {node.op!r}")
+            kernel = kernels[node.op]
+            if not callable(kernel):  # once per graph here, not a TypeError inside the generated code
+                src = sources.get(node.op, "native")
+                raise BackendError(
+                    f"{backend}: kernel for IR op {node.op!r} ({src}) is {type(kernel).__name__} {kernel!r:.40}, "
+                    "which is not callable"
+                )
             ins = tuple(-1 if v is None else slot_of(v) for v in node.inputs)
             outs = tuple(slot_of(o) for o in node.outputs)
             free = tuple(
@@ -88,7 +95,7 @@ class Executable:
                 for v in {id(v): v for v in node.inputs if v is not None}.values()
                 if last_use.get(id(v)) == i and v.kind == "node"
             )
-            steps.append(Step(kernels[node.op], ins, outs, dict(node.attrs), free))
+            steps.append(Step(kernel, ins, outs, dict(node.attrs), free))
         self.steps = steps
         self.n_slots = len(slot)
         self.base = [base.get(i) for i in range(self.n_slots)]

@@ -45,6 +45,8 @@ class Platform:
     priority: int = 0  # auto-detect picks the available backend with the highest priority
 
     def is_available(self) -> Availability:
+        """An :class:`Availability` (anything else, a bare ``True`` included, leaves the backend
+        unavailable as its plugin's fault: ``dinfer_rt.plugins.availability``)."""
         return Availability(True, "ok")
 
     def validate_choice(self) -> str | None:

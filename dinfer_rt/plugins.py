@@ -8,22 +8,29 @@ the arguments and ``tryfirst`` / ``trylast`` / wrappers work as pluggy documents
 where contributions collide, the implementation pluggy calls first has the last word (as with
 pluggy's first-result semantics), so ``tryfirst`` wins.
 
-Fault isolation: a plugin that fails to load, declares another hook API version, or raises in
-any hook is recorded as a :class:`PluginFailure` (shown by ``dinfer-rt backends`` and
-``dinfer-rt env``), warned about once, and its contribution to that call is dropped; every
-other plugin and backend keeps working.
+Fault isolation: a plugin that fails to load, declares another hook API version, implements a
+hook that does not exist (a misspelt name pluggy would never call), registers a backend name
+already taken, or raises in any hook or returns a malformed result (a kernel table naming an
+unknown IR op or a value that is not callable, launch parameters that are not a dict) is
+recorded as a :class:`PluginFailure`, and its contribution to that call is dropped; every
+other plugin and backend keeps working. Discovery-time faults are shown by ``dinfer-rt
+backends`` and ``dinfer-rt env``; faults of the hooks called at backend selection are warned
+about once by the command that selects it, and ``dinfer-rt validate`` fails that backend naming
+them. An ``is_available`` that returns anything but an :class:`Availability` makes its backend
+unavailable with that reason.
 """
 
 from __future__ import annotations
 
 import contextvars
+import difflib
 import functools
 import inspect
 import os
 import sys
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib.metadata import entry_points
@@ -31,7 +38,7 @@ from importlib.metadata import entry_points
 import pluggy
 
 from dinfer_rt import envs
-from dinfer_rt.backend import Backend, Contributions
+from dinfer_rt.backend import Backend, Contributions, kernel_table_problem
 from dinfer_rt.errors import BackendError
 from dinfer_rt.platform import Availability
 
@@ -78,6 +85,9 @@ class BackendHookSpec:
         """Return ``{name: version-or-fact}`` for ``dinfer-rt env`` and validation reports."""
 
 
+HOOK_NAMES = tuple(sorted(n for n in vars(BackendHookSpec) if n.startswith(f"{PROJECT}_")))
+
+
 @dataclass(frozen=True)
 class PluginFailure:
     name: str  # the plugin (entry point) name
@@ -92,6 +102,7 @@ class Registry:
     failures: list[PluginFailure]
     manager: pluggy.PluginManager
     _unwarned: list[PluginFailure] = field(default_factory=list)
+    _recording: list[PluginFailure] | None = None  # every fault met while gathering contributions
 
     def call(self, hook: str, **kwargs) -> list[tuple[str, object]]:
         """``pm.hook.<hook>(**kwargs)``, each non-None result paired with its plugin's name."""
@@ -133,6 +144,8 @@ class Registry:
 
     def _fault(self, failure: PluginFailure) -> None:
         """Record a failure once (a hook called again with the same fault warns once)."""
+        if self._recording is not None and failure not in self._recording:
+            self._recording.append(failure)
         if failure not in self.failures:
             self.failures.append(failure)
             self._unwarned.append(failure)
@@ -200,14 +213,17 @@ def registry() -> Registry:
     envs.check()  # every boolean DINFER_* variable holds 0 / 1 / true / false
     allow = envs.plugin_allowlist()
     builtins_only = envs.flag(envs.DINFER_DISABLE_PLUGIN_AUTOLOAD)
-    found = list(entry_points(group=ENTRY_POINT_GROUP))
+    # built-ins first (a stable sort keeps the entry point order within each part): where two
+    # plugins register one backend name, the first registration stays
+    found = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: _distribution(ep) != BUILTIN_DISTRIBUTION)
     if allow is not None and (missing := allow - {ep.name for ep in found}):
         raise BackendError(
             f"{envs.DINFER_PLUGINS} names plugin(s) not installed: {_listed(sorted(missing))}; "
             f"installed: {', '.join(sorted(ep.name for ep in found)) or 'none'}"
         )
+    builtin: set[str] = set()
     for ep in found:
-        dist = getattr(getattr(ep, "dist", None), "name", None)
+        dist = _distribution(ep)
         if builtins_only and dist != BUILTIN_DISTRIBUTION:
             continue
         if allow is not None and ep.name not in allow:
@@ -228,7 +244,16 @@ def registry() -> Registry:
             reg.failures.append(
                 PluginFailure(ep.name, f"plugin {ep.name!r} ({ep.value}) does not match the hooks: {e}")
             )
-    for plugin, classes in reg.typed("dinfer_rt_register_backends", list):
+            continue
+        except ValueError as e:  # pluggy: a plugin of that name is registered already
+            reg.failures.append(PluginFailure(ep.name, f"plugin {ep.name!r} ({ep.value}) not registered: {e}"))
+            continue
+        if dist == BUILTIN_DISTRIBUTION:
+            builtin.add(ep.name)
+    reg.failures += _unknown_hooks(pm)
+    # pluggy calls the last-registered first: take the results in registration order, built-ins first
+    results = sorted(reversed(reg.typed("dinfer_rt_register_backends", list)), key=lambda r: r[0] not in builtin)
+    for plugin, classes in results:
         bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, Backend))]
         if bad:
             reg.failures.append(
@@ -236,9 +261,51 @@ def registry() -> Registry:
             )
             continue
         for cls in classes:
+            taken = reg.backends.get(cls.name)
+            if taken is cls:
+                continue
+            if taken is not None:  # the first registration stays; the clash is this plugin's fault
+                reg.failures.append(
+                    PluginFailure(
+                        plugin,
+                        f"backend name {cls.name!r} ({_qualified(cls)}) is already registered by plugin "
+                        f"{reg.plugin_of[cls.name]!r} ({_qualified(taken)}); this registration is dropped "
+                        "(give the backend a name of its own)",
+                        "dinfer_rt_register_backends",
+                    )
+                )
+                continue
             reg.backends[cls.name] = cls
             reg.plugin_of[cls.name] = plugin
     return reg
+
+
+def _distribution(ep) -> str | None:
+    return getattr(getattr(ep, "dist", None), "name", None)
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _unknown_hooks(pm: pluggy.PluginManager) -> list[PluginFailure]:
+    """Hook implementations with no spec (a misspelt hook name, which pluggy accepts and never
+    calls): what ``PluginManager.check_pending`` detects, one failure per plugin and name."""
+    found = []
+    for name, caller in sorted(vars(pm.hook).items()):
+        if not isinstance(caller, pluggy.HookCaller) or caller.has_spec():
+            continue
+        close = difflib.get_close_matches(name, HOOK_NAMES, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}?" if close else f"the hooks are {', '.join(HOOK_NAMES)}"
+        for impl in caller.get_hookimpls():
+            if impl.opts.get("optionalhook"):
+                continue
+            why = (
+                f"implements {name!r}, which is not a dinfer_rt hook (hook API {HOOK_API_VERSION}), "
+                f"so it is never called; {hint}"
+            )
+            found.append(PluginFailure(impl.plugin_name, why, name))
+    return found
 
 
 def _listed(names: list[str]) -> str:
@@ -253,14 +320,43 @@ def contributions(backend: Backend) -> Contributions:
     """Gather every plugin's kernels, passes and launch overrides for ``backend`` (once, at
     selection). Results are applied in reverse call order, so the first-called plugin wins."""
     reg = registry()
+    reg._recording = []
+    try:
+        return _gather(reg, backend)
+    finally:
+        reg._recording = None
+
+
+def _gather(reg: Registry, backend: Backend) -> Contributions:
+    from dinfer_rt.passes import Pass
+
     who = {"backend_name": backend.name}
-    kernels = [(p, dict(k)) for p, k in reg.typed("dinfer_rt_register_kernels", dict, **who, arch=backend.arch)]
-    passes = [p for _, ps in reg.typed("dinfer_rt_register_passes", list, **who) for p in ps]
+    kernels = []
+    for plugin, table in reg.typed("dinfer_rt_register_kernels", dict, **who, arch=backend.arch):
+        if (why := kernel_table_problem(table)) is not None:
+            reg._fault(PluginFailure(plugin, f"returned a kernel table that {why}", "dinfer_rt_register_kernels"))
+            continue
+        kernels.append((plugin, dict(table)))
+    passes = []
+    for plugin, listed in reg.typed("dinfer_rt_register_passes", list, **who):
+        if (bad := next((p for p in listed if not isinstance(p, Pass)), None)) is not None:
+            why = f"returned {type(bad).__name__} {bad!r:.40} in its list, expected dinfer_rt.passes.Pass objects"
+            reg._fault(PluginFailure(plugin, why, "dinfer_rt_register_passes"))
+            continue
+        passes += listed
     launch: dict[str, dict] = {}
-    for _, table in reversed(reg.typed("dinfer_rt_launch_config", dict, **who, arch=backend.arch)):
+    for plugin, table in reversed(reg.typed("dinfer_rt_launch_config", dict, **who, arch=backend.arch)):
+        if (bad := next(((k, v) for k, v in table.items() if not isinstance(v, Mapping)), None)) is not None:
+            why = (
+                f"returned {type(bad[1]).__name__} {bad[1]!r:.40} as the launch parameters of kernel {bad[0]!r}, "
+                "expected a dict {param: value}"
+            )
+            reg._fault(PluginFailure(plugin, why, "dinfer_rt_launch_config"))
+            continue
         for kernel, params in table.items():
             launch[kernel] = {**launch.get(kernel, {}), **dict(params)}
-    return Contributions(tuple(reversed(kernels)), tuple(passes), launch)
+    reg._warn_new()
+    return Contributions(tuple(reversed(kernels)), tuple(passes), launch, tuple(reg._recording or ()))
 
 
 def compile_targets() -> dict[str, Callable[[], list[dict]]]:
@@ -279,11 +375,22 @@ def env_info() -> dict[str, str]:
 
 
 def availability(backend: type[Backend] | Backend) -> Availability:
-    """The probe's answer for a backend class (default choice) or a configured instance."""
+    """The probe's answer for a backend class (default choice) or a configured instance. A probe
+    that raises, or returns anything but an :class:`Availability` (a bare ``True``), leaves the
+    backend unavailable with that reason, the plugin named: every caller gets an Availability."""
     try:
-        return (backend() if isinstance(backend, type) else backend).is_available()
+        answer = (backend() if isinstance(backend, type) else backend).is_available()
     except Exception as e:
         return Availability(False, f"availability probe raised {type(e).__name__}: {e}")
+    if not isinstance(answer, Availability):
+        name = backend.name
+        plugin = registry().plugin_of.get(name, "?")
+        return Availability(
+            False,
+            f"plugin {plugin!r} fault: {name}.is_available returned {type(answer).__name__}, expected Availability "
+            f"(return dinfer_rt.backend.Availability(ok, reason), not {answer!r:.20})",
+        )
+    return answer
 
 
 def describe_all() -> str:

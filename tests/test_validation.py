@@ -153,3 +153,92 @@ def test_pytest_plugin_form_runs_the_op_suite(tmp_path):
     from dinfer_rt.validation.opdb import cases
 
     assert f"{len(cases())} passed" in r.stdout
+
+
+@pytest.fixture
+def raising(monkeypatch):
+    real = plugins.entry_points
+    fakes = [EntryPoint(n, f"tests.fake_plugins.{n}", "g") for n in ("raising_kernels", "bad_tables")]
+    monkeypatch.setattr(plugins, "entry_points", lambda group: list(real(group=group)) + fakes)
+    plugins.registry.cache_clear()
+
+
+def test_a_wrong_output_shape_or_dtype_is_a_named_conformance_failure(raising):
+    from dinfer_rt.ir import ops
+    from dinfer_rt.validation import conformance
+    from dinfer_rt.validation.opdb import cases
+
+    results = run_conformance(plugins.select_backend("shapechip"), [torch.float32], quick=True)
+    add = [r for r in results if r["op"] == "add"]
+    assert add and all(r["status"] == "fail" and r["max_rel"] == float("inf") for r in add)
+    assert any("output 0 shape (" in r["detail"] and ") != reference (" in r["detail"] for r in add), add
+    case = next(c for c in cases(quick=True) if c.op == "rms_norm")
+    ins = case.build(torch.Generator().manual_seed(0))
+    want = ops.rms_norm(*ins, **case.attrs)
+    got = want.to(torch.float16)  # right shape, wrong dtype for float32 inputs
+    prepared = [x.float() for x in ins]
+    rel, _, note = conformance.compare(got, want, {"rel": 1e-3}, conformance.expected_dtypes(case, prepared))
+    assert rel == float("inf") and note == "output 0 dtype torch.float16 != torch.float32 (the op's inferred type)"
+    rel, _, note = conformance.compare((want, want), want, {"rel": 1e-3})
+    assert rel == float("inf") and note == "2 output(s) != reference 1"
+
+
+@pytest.mark.parametrize(
+    ("backend", "raised"),
+    [("raisechip", "RuntimeError: planted rms_norm fault"), ("shapechip", "RuntimeError: The size of tensor")],
+)
+def test_validate_records_a_raising_kernel_in_every_check_and_writes_its_report(raising, backend, raised, tmp_path):
+    """A kernel that raises (or returns a wrong shape the next op trips on) fails each op and model
+    check with the exception named; the verdict, the JSON and the Markdown report are all written."""
+    from dinfer_rt.cli import main
+
+    out, md = tmp_path / "report.json", tmp_path / "report.md"
+    args = ["validate", "--backends", backend, "--quick", "--dtypes", "float32", "--json", str(out)]
+    assert main([*args, "--markdown", str(md)]) == 1
+    report = json.loads(out.read_text())
+    assert report["verdict"] == "fail"
+    failures = report["results"][0]["failures"]
+    op = "rms_norm" if backend == "raisechip" else "add"
+    assert any(f.startswith(f"op {op}/") for f in failures), failures
+    for check in ("teacher_forced", "decisions", "free_running", "accuracy"):
+        assert any(f.startswith(f"embedded: {check} raised {raised}") for f in failures), (check, failures)
+    assert any(f.startswith("llada2: teacher_forced raised") for f in failures)
+    assert any(f.startswith("fused vs unfused (llada2: ") for f in failures)
+    assert any(f.startswith(f"performance: raised {raised}") for f in failures)
+    text = md.read_text()
+    assert "# dinfer-rt validation: **FAIL**" in text and f"- teacher_forced: FAIL, raised {raised}" in text
+
+
+def test_validate_fails_a_backend_whose_plugin_contribution_was_dropped(raising, monkeypatch):
+    """A kernels hook whose table was refused at selection: validating the fallbacks instead of the
+    porter's kernels must not read as a pass (the checks themselves are stubbed out here)."""
+    from dinfer_rt.validation import runner
+
+    def no_embedded_checks(test, ref, quick, emulated, models, out):
+        out["precision"] = {"rows": []}
+
+    monkeypatch.setattr(runner, "run_conformance", lambda *a, **k: [])
+    monkeypatch.setattr(runner, "tiny_checkpoints", lambda root, quick: {})
+    monkeypatch.setattr(runner, "_embedded_checks", no_embedded_checks)
+    monkeypatch.setattr(runner, "measure", lambda *a, **k: {"step_ms_p50": 1.0})
+    with pytest.warns(RuntimeWarning, match="int 42"):
+        report = runner.validate("hook_nonfn", quick=True, dtypes="float32")
+    assert report["verdict"] == "fail"
+    assert report["results"][0]["failures"] == [
+        "plugin bad_tables failed in dinfer_rt_register_kernels: returned a kernel table that maps IR op "
+        "'rms_norm' to int 42, which is not callable"
+    ]
+    assert any("int 42" in f for f in report["header"]["plugin_failures"])
+
+
+def test_validate_fails_a_misspelt_op_once_instead_of_passing_on_the_fallback(raising):
+    from dinfer_rt.validation.runner import validate
+
+    report = validate("typochip", quick=True, dtypes="float32")
+    assert report["verdict"] == "fail"  # it passed: rms_norm quietly ran the reference
+    (failure,) = report["results"][0]["failures"]
+    assert failure.startswith("kernel table: BackendError: backend 'typochip'")
+    assert "unknown IR op 'rms_nrom' (closest IR ops: rms_norm" in failure
+    from dinfer_rt.validation.markdown import render
+
+    assert "Kernel table: BackendError" in render(report)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from dinfer_rt.backend import Backend
-from dinfer_rt.ir import OPS
+from dinfer_rt.ir import OPS, TensorType
 from dinfer_rt.validation.opdb import OpCase, cases
 
 HERE = Path(__file__).parent
@@ -64,15 +64,37 @@ def _prepare(case: OpCase, ins: list, dtype: torch.dtype, device: torch.device) 
     return out
 
 
-def compare(got, want, tol: dict) -> tuple[float, float, str]:
-    """(max error relative to the reference scale, fraction of mismatching integers, note)."""
-    got = got if isinstance(got, tuple) else (got,)
+def _shape(t) -> str:
+    return "(" + ",".join(str(d) for d in t.shape) + ")"
+
+
+def expected_dtypes(case: OpCase, ins: list) -> list[torch.dtype] | None:
+    """The output dtypes the op's own inference gives for the inputs as the backend got them
+    (None where inference does not answer: the dtype is then not checked)."""
+    types = [None if x is None else TensorType(tuple(x.shape), x.dtype) for x in ins]
+    try:
+        return [t.dtype for t in OPS[case.op].infer(types, case.attrs)]
+    except Exception:
+        return None
+
+
+def compare(got, want, tol: dict, dtypes: list[torch.dtype] | None = None) -> tuple[float, float, str]:
+    """(max error relative to the reference scale, fraction of mismatching integers, note). A wrong
+    number of outputs, a wrong shape or (given ``dtypes``, the inferred ones) a wrong dtype is an
+    infinite error with a note naming the output."""
+    got = got if isinstance(got, (tuple, list)) else (got,)
     want = want if isinstance(want, tuple) else (want,)
+    if len(got) != len(want):
+        return float("inf"), 1.0, f"{len(got)} output(s) != reference {len(want)}"
     worst, mism, note = 0.0, 0.0, ""
     for i, (a, b) in enumerate(zip(got, want)):
+        if not isinstance(a, torch.Tensor):
+            return float("inf"), 1.0, f"output {i} is {type(a).__name__}, not a tensor"
         a = a.detach().cpu()
         if tuple(a.shape) != tuple(b.shape):
-            return float("inf"), 1.0, f"output {i}: shape {list(a.shape)} != reference {list(b.shape)}"
+            return float("inf"), 1.0, f"output {i} shape {_shape(a)} != reference {_shape(b)}"
+        if dtypes is not None and i < len(dtypes) and a.dtype != dtypes[i]:
+            return float("inf"), 1.0, f"output {i} dtype {a.dtype} != {dtypes[i]} (the op's inferred type)"
         if b.dtype.is_floating_point:
             err = (a.double() - b).abs()
             rel = (err.max() / b.abs().max().clamp_min(1e-30)).item() if err.numel() else 0.0
@@ -89,21 +111,23 @@ def compare(got, want, tol: dict) -> tuple[float, float, str]:
 
 
 def run_case(case: OpCase, backend: Backend, dtype: torch.dtype, table: dict, known: dict) -> OpResult:
-    kernels = backend.kernel_table()
-    kernel, source = kernels.get(case.op, (None, "missing"))
     tol = tolerance(case.op, dtype, backend.name, table)
     key = f"{case.key}/{DTYPE_NAMES[dtype]}"
     g = torch.Generator().manual_seed(_seed(case.key))
     ins = case.build(g)
     want = OPS[case.op].reference(*[None if x is None else x.clone() for x in ins], **case.attrs)
-    try:
+    source = "missing"
+    try:  # a malformed kernel table, a raising kernel or a wrong output is a result, not an abort
+        kernel, source = backend.kernel_table().get(case.op, (None, "missing"))
         if kernel is None:
             raise RuntimeError(f"backend {backend.name} has no kernel for {case.op}")
-        got = kernel(*_prepare(case, ins, dtype, backend.device()), **case.attrs)
-        rel, mism, note = compare(got, want, tol)
+        prepared = _prepare(case, ins, dtype, backend.device())
+        dtypes = expected_dtypes(case, prepared)
+        got = kernel(*prepared, **case.attrs)
+        rel, mism, note = compare(got, want, tol, dtypes)
         ok = rel <= tol["rel"] and mism <= tol.get("index_mismatch", 0.0)
         status = "pass" if ok else "fail"
-    except Exception as e:  # a crashing kernel is a result, not an abort
+    except Exception as e:
         rel, mism, note, status = float("inf"), 1.0, f"{type(e).__name__}: {e}", "error"
     reason = known.get(backend.name, {}).get(key)
     if reason is not None:

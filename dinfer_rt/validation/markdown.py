@@ -18,6 +18,7 @@ def render(report: dict) -> str:
         f"- seed: {h['seed']}; quick: {report['quick']}; dtypes: {', '.join(report['dtypes'])}",
         f"- DINFER_* env: {h['env'] or 'none'}",
         f"- plugins: {h['plugins'] or 'none'}",
+        *[f"- plugin failure: {f}" for f in h.get("plugin_failures", [])],
         "",
     ]
     for b in h["backends"]:
@@ -38,6 +39,8 @@ def render(report: dict) -> str:
             ]
         cov = r["coverage"]
         out += [f"### Coverage: {cov['native_node_fraction']:.0%} of the embedded model's nodes on native kernels", ""]
+        if "error" in cov:
+            out += [f"Kernel table: {cov['error']}", ""]
         out += [
             "### Op conformance (vs float64 reference)",
             "",
@@ -50,7 +53,13 @@ def render(report: dict) -> str:
             for c in r["conformance"]
         ]
         out += ["", "### Fused vs unfused", "", "| model | rewrites | max rel err | passed |", "|---|---|---|---|"]
-        out += [f"| {p['model']} | {p['rewrites']} | {_f(p['max_rel'])} | {p['passed']} |" for p in r["passes"]["rows"]]
+        out += [
+            f"| {p['model']} | {p['rewrites']} | {_f(p['max_rel'])} | "
+            + (f"False: {p['error']} |" if "error" in p else f"{p['passed']} |")
+            for p in r["passes"]["rows"]
+        ]
+        if r.get("precision", {}).get("error"):
+            out += ["", f"### Quantised weights: not reported ({r['precision']['error']})"]
         if r.get("precision", {}).get("rows"):
             out += [
                 "",
@@ -65,17 +74,23 @@ def render(report: dict) -> str:
                 for row in r["precision"]["rows"]
             ]
         out += ["", "### Model level (vs float64 reference)", ""]
-        for name, checks in r["models"].items():
-            tf = checks["teacher_forced"]
-            out.append(
-                f"**{name}**: teacher-forced "
-                + ", ".join(
-                    f"mask {row['mask_fraction']}: rel {_f(row['max_rel'])}, cos {row['min_cosine']:.6f}, "
-                    f"argmax {row['argmax_agreement']:.3f}"
-                    for row in tf["rows"]
+        for name, all_checks in r["models"].items():
+            errors = {check: res for check, res in all_checks.items() if "error" in res}
+            checks = {check: res for check, res in all_checks.items() if check not in errors}
+            line = f"**{name}**:"
+            if "teacher_forced" in checks:
+                tf = checks["teacher_forced"]
+                line += (
+                    " teacher-forced "
+                    + ", ".join(
+                        f"mask {row['mask_fraction']}: rel {_f(row['max_rel'])}, cos {row['min_cosine']:.6f}, "
+                        f"argmax {row['argmax_agreement']:.3f}"
+                        for row in tf["rows"]
+                    )
+                    + f" ({'pass' if tf['passed'] else 'FAIL'})"
                 )
-                + f" ({'pass' if tf['passed'] else 'FAIL'})"
-            )
+            out.append(line)
+            out += [f"- {check}: FAIL, raised {res['error']}" for check, res in errors.items()]
             if "decisions" in checks:
                 d = checks["decisions"]
                 out.append(
@@ -91,11 +106,12 @@ def render(report: dict) -> str:
                     f"{d['near_ties']} near ties, {len(d['violations'])} violations, {probes} probe mismatches "
                     f"({'pass' if edit['passed'] else 'FAIL'})"
                 )
-            fr = checks["free_running"]
-            out.append(
-                f"- free-running greedy: exact match {fr['exact_match']:.3f}, first divergence "
-                f"{fr['first_divergence']} ({'pass' if fr['passed'] else 'FAIL'})"
-            )
+            if "free_running" in checks:
+                fr = checks["free_running"]
+                out.append(
+                    f"- free-running greedy: exact match {fr['exact_match']:.3f}, first divergence "
+                    f"{fr['first_divergence']} ({'pass' if fr['passed'] else 'FAIL'})"
+                )
             if "accuracy" in checks:
                 a = checks["accuracy"]
                 out.append(
@@ -107,6 +123,8 @@ def render(report: dict) -> str:
         out += ["### Performance (embedded model)", ""]
         if "skipped" in p:
             out.append(p["skipped"])
+        elif "error" in p:
+            out.append(f"not measured: raised {p['error']}")
         else:
             out += [
                 "| " + " | ".join(p) + " |",

@@ -1,4 +1,4 @@
-"""Model-level checks of a backend against the float64 reference (``cpu``), on left-padded
+"""Model-level checks of a backend against the float64 reference (``reference``), on left-padded
 batches of mixed-length prompts (padding bugs show up only there):
 
 - teacher-forced logits at several mask fractions (max abs/rel error, cosine, argmax agreement);

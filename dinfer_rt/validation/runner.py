@@ -1,8 +1,15 @@
 """``dinfer-rt validate``: coverage, op conformance, pass checks, model-level numerics and
-performance for each backend, with a verdict, a JSON report and a Markdown rendering."""
+performance for each backend, with a verdict, a JSON report and a Markdown rendering.
+
+Every check is a result, never an abort: a kernel that raises (or a model that does not load on
+the backend) fails that check with the exception named, and the report is still complete. The
+oracle is the ``reference`` backend in float64 (:data:`ORACLES`): a ``DINFER_PLUGINS`` allowlist
+that excludes it is refused up front, naming it.
+"""
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -17,7 +24,9 @@ from dinfer_rt import envs
 from dinfer_rt.backend import Backend
 from dinfer_rt.demo import task
 from dinfer_rt.dtypes import resolve_dtype
+from dinfer_rt.errors import BackendError
 from dinfer_rt.loader import EMBEDDED_MODEL, load_model
+from dinfer_rt.model_spec import parse_spec
 from dinfer_rt.plugins import availability, env_info, registry, select_backend
 from dinfer_rt.sampling import SamplingParams
 from dinfer_rt.validation import editing, model_checks
@@ -36,6 +45,39 @@ EDIT_SMALL = SamplingParams(
     early_stop=False,
 )  # fmt: skip
 SEED = 0
+ORACLES = ("reference",)  # the backends validate measures against (float64 reference semantics)
+
+
+def require_oracles(command: str = "validate") -> None:
+    """Refuse, naming them, when the oracle backends are not registered (a ``DINFER_PLUGINS``
+    allowlist that leaves them out): otherwise the first model check fails on 'unknown backend'."""
+    backends = registry().backends
+    missing = [name for name in ORACLES if name not in backends]
+    if not missing:
+        return
+    names = ", ".join(repr(n) for n in missing)
+    allow = os.environ.get(envs.DINFER_PLUGINS)
+    if allow is not None and allow.strip():
+        kept = ",".join([p.strip() for p in allow.split(",") if p.strip()] + missing)
+        raise BackendError(
+            f"{command} needs its oracle backend(s) {names} (float64 reference semantics), which "
+            f"{envs.DINFER_PLUGINS}={envs.shown(allow)} excludes; add them: {envs.DINFER_PLUGINS}={envs.shown(kept)}"
+        )
+    raise BackendError(
+        f"{command} needs its oracle backend(s) {names}, which are not registered (is dinfer-rt installed?)"
+    )
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def guarded(check, *args, **kwargs) -> dict:
+    """``check(*args, **kwargs)``, or a failed result naming the exception it raised."""
+    try:
+        return check(*args, **kwargs)
+    except Exception as e:  # a crashing kernel is a failed check, not a lost report
+        return {"passed": False, "error": _error(e)}
 
 
 def _git_commit() -> str:
@@ -73,6 +115,8 @@ def header(backends: list[Backend], env: dict[str, str]) -> dict:
             for b in backends
         ],
         "plugins": env_info(),
+        # every plugin fault recorded so far (discovery, and the selections above)
+        "plugin_failures": [f"{f.name} ({f.hook or 'not loaded'}): {f.reason}" for f in registry().failures],
         "env": env,
         "seed": SEED,
         "command": " ".join(["dinfer-rt", *sys.argv[1:]]) if sys.argv else "",
@@ -87,11 +131,13 @@ def tiny_checkpoints(root: Path, quick: bool) -> dict[str, Path]:
 
 
 def coverage(backend: Backend) -> dict:
-    table = backend.kernel_table()
-    model = load_model(EMBEDDED_MODEL, backend="cpu", tokenizer=False)
     from dinfer_rt.lowering import lower
 
-    graph = lower(model.spec, torch.float32)
+    try:
+        table = backend.kernel_table()
+    except Exception as e:  # a malformed kernel table (unknown op, not callable): named, and every check fails on it
+        return {"ops": {}, "native_node_fraction": 0.0, "error": _error(e)}
+    graph = lower(parse_spec(EMBEDDED_MODEL), torch.float32)
     nodes = [table.get(n.op, (None, "missing"))[1] for n in graph.nodes]
     native = sum(1 for s in nodes if not s.startswith(("fallback", "missing")))
     return {"ops": {op: src for op, (_, src) in sorted(table.items())}, "native_node_fraction": native / len(nodes)}
@@ -102,11 +148,16 @@ def pass_checks(backend: Backend, ckpts: dict[str, Path], dtype: torch.dtype) ->
     rows, ok = [], True
     for name, path in ckpts.items():
         ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(SEED))
-        fused = load_model(path, backend=backend.name, dtype=dtype, tokenizer=False)
-        disabled = [p.name for p in backend.passes()]
-        plain = load_model(path, backend=backend.name, dtype=dtype, tokenizer=False, disable_passes=disabled)
-        a, b = fused.forward(ids, block_size=4).double().cpu(), plain.forward(ids, block_size=4).double().cpu()
-        rel = ((a - b).abs().max() / b.abs().max()).item()
+        try:
+            fused = load_model(path, backend=backend.name, dtype=dtype, tokenizer=False)
+            disabled = [p.name for p in backend.passes()]
+            plain = load_model(path, backend=backend.name, dtype=dtype, tokenizer=False, disable_passes=disabled)
+            a, b = fused.forward(ids, block_size=4).double().cpu(), plain.forward(ids, block_size=4).double().cpu()
+            rel = ((a - b).abs().max() / b.abs().max()).item()
+        except Exception as e:
+            ok = False
+            rows.append({"model": name, "rewrites": {}, "max_rel": float("inf"), "passed": False, "error": _error(e)})
+            continue
         passed = rel <= model_checks.MODEL_TOLERANCE[dtype]
         ok &= passed
         rows.append({"model": name, "rewrites": fused.pass_counts, "max_rel": rel, "passed": passed})
@@ -117,85 +168,137 @@ def family_checks(backend: Backend, path: Path, dtype: torch.dtype) -> dict:
     """Model-level checks of one tiny checkpoint (a model family) on ``backend`` against the
     float64 reference: teacher-forced logits, free running and the editing rule's decisions, on
     a mixed-length batch (one row left-padded). Each value has ``passed``."""
-    t = load_model(path, backend=backend.name, dtype=dtype)
-    r = load_model(path, backend="reference", dtype="float64")
+    try:
+        t = load_model(path, backend=backend.name, dtype=dtype)
+        r = load_model(path, backend="reference", dtype="float64")
+    except Exception as e:
+        return {"load": {"passed": False, "error": _error(e)}}
     prompts = [[7, 8, 9, 10], [11, 12]]
     small = SamplingParams(gen_length=8, block_length=4, strategy="threshold", threshold=0.5, early_stop=False)
     return {
-        "teacher_forced": model_checks.teacher_forced(t, r, prompts, None, 8),
-        "free_running": model_checks.free_running(t, r, prompts, small),
-        f"decisions ({editing.RULE})": editing.check(
-            t, r, [prompts[0]] if t.spec.block_causal else prompts, EDIT_SMALL, model_checks.NEAR_TIE[t.dtype]
+        "teacher_forced": guarded(model_checks.teacher_forced, t, r, prompts, None, 8),
+        "free_running": guarded(model_checks.free_running, t, r, prompts, small),
+        f"decisions ({editing.RULE})": guarded(
+            editing.check,
+            t,
+            r,
+            [prompts[0]] if t.spec.block_causal else prompts,
+            EDIT_SMALL,
+            model_checks.NEAR_TIE[t.dtype],
         ),
     }
 
 
 def validate_backend(backend: Backend, dtypes: list[torch.dtype], quick: bool, bar) -> dict:
+    """Every section for ``backend``, each check guarded. A plugin fault met while its
+    contributions were gathered fails it too: the backend did not run what its porter wrote."""
     out: dict = {"backend": backend.describe(), "coverage": coverage(backend)}
+    faults = [f"plugin {f.name} failed in {f.hook}: {f.reason}" for f in backend.contributions.faults]
+    if "error" in out["coverage"]:  # a malformed kernel table: every check would fail on it, say it once
+        bar.update(5)
+        failed = [*faults, f"kernel table: {out['coverage']['error']}"]
+        skipped = {"skipped": "not measured: the kernel table is malformed"}
+        out |= {"conformance": [], "passes": {"passed": False, "rows": []}, "models": {}, "precision": {"rows": []}}
+        return out | {"performance": skipped, "unexpected_passes": [], "failures": failed, "verdict": "fail"}
     emulated = backend.emulation()  # an interpreter or a simulation: no timings, fewer accuracy items
     out["conformance"] = run_conformance(backend, dtypes, quick, progress=lambda: bar.update(0))
     bar.update(1)
     dtype = torch.float32 if torch.float32 in backend.capabilities().dtypes else backend.capabilities().dtypes[0]
-    models = {}
+    models: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         ckpts = tiny_checkpoints(Path(tmp), quick)
         out["passes"] = pass_checks(backend, ckpts, dtype)
         bar.update(1)
-        items = task.heldout(8 if quick else 32)
-        test = load_model(EMBEDDED_MODEL, backend=backend.name, dtype=dtype)
-        ref = load_model(EMBEDDED_MODEL, backend="reference", dtype="float64")
-        tok = test.tokenizer
-        llm_prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": it.letters}])) for it in items]
-        # mixed lengths (left-padded batches): drop 0-3 leading letters per row for the logit checks
-        mixed = [
-            tok.encode(tok.apply_chat_template([{"role": "user", "content": it.letters[i % 4 :]}]))
-            for i, it in enumerate(items)
-        ]
-        answers = [tok.encode(it.answer()) for it in items]
-        answers = [a + [test.pad_id] * (40 - len(a)) for a in answers]
-        params = SamplingParams(strategy="threshold", threshold=0.9, early_stop=False, batch_size=len(items))
-        models["embedded"] = {
-            "teacher_forced": model_checks.teacher_forced(test, ref, mixed, answers, 40),
-            "decisions": model_checks.decisions(test, ref, mixed, 40),
-            # the editing rule's per-step decisions (its block state machine included) vs its oracle
-            f"decisions ({editing.RULE})": editing.check(
-                test, ref, mixed[:3], EDIT_PARAMS, model_checks.NEAR_TIE[test.dtype]
-            ),
-            "free_running": model_checks.free_running(test, ref, llm_prompts, params),
-        }
-        # informational (no verdict): how far each quantised weight format is from this backend's full precision
-        fractions = (0.5,) if quick else (1.0, 0.5, 0.1)  # interpreted backends run these slowly
-        out["precision"] = model_checks.precision_report(test, mixed[:4], answers[:4], 40, fractions)
-        bar.update(1)
-        from dinfer_rt.llm import LLM
-
-        # quick on emulated kernels (CI's interpreter runs): half the items, each a minute's work there
-        n = 200 if not quick else 24 if emulated else 50
-        models["embedded"]["accuracy"] = model_checks.task_accuracy(LLM(test), LLM(ref), n)
+        try:
+            test = load_model(EMBEDDED_MODEL, backend=backend.name, dtype=dtype)
+            ref = load_model(EMBEDDED_MODEL, backend="reference", dtype="float64")
+        except Exception as e:  # the backend cannot even build the model: every embedded check fails on it
+            test = ref = None
+            models["embedded"] = {"load": {"passed": False, "error": _error(e)}}
+            out["precision"] = {"rows": [], "error": _error(e)}
+        if test is not None:
+            _embedded_checks(test, ref, quick, emulated, models, out)
+        bar.update(2)
         for name, path in ckpts.items():
             models[name] = family_checks(backend, path, dtype)
-        bar.update(1)
         out["models"] = models
-        if emulated is None:
-            out["performance"] = measure(test, llm_prompts, params, warmup=1, iters=2 if quick else 5)
-        else:  # the stand-in's speed says nothing about the device (and cost minutes of CI per backend)
+        if emulated is not None:  # the stand-in's speed says nothing about the device (and cost minutes of CI)
             out["performance"] = {"skipped": f"not measured: the kernels ran on {emulated}"}
+        elif test is None:
+            out["performance"] = {"skipped": "not measured: the model did not load on this backend"}
+        else:
+            items = task.heldout(8 if quick else 32)
+            params = SamplingParams(strategy="threshold", threshold=0.9, early_stop=False, batch_size=len(items))
+            try:
+                out["performance"] = measure(
+                    test, _chat_prompts(test, items), params, warmup=1, iters=2 if quick else 5
+                )
+            except Exception as e:
+                out["performance"] = {"error": _error(e)}
         bar.update(1)
     failed = [
-        f"op {r['op']}/{r['bucket']}/{r['dtype']}: {r['status']}"
+        f"op {r['op']}/{r['bucket']}/{r['dtype']}: {r['status']}" + (f" ({r['detail']})" if r["detail"] else "")
         for r in out["conformance"]
         if r["status"] in ("fail", "error")
     ]
+    failed += faults
     if not out["passes"]["passed"]:
-        failed.append("fused vs unfused")
+        errors = [f"{r['model']}: {r['error']}" for r in out["passes"]["rows"] if "error" in r]
+        failed.append("fused vs unfused" + (f" ({'; '.join(errors)})" if errors else ""))
     for name, checks in models.items():
-        failed += [f"{name}: {check}" for check, res in checks.items() if not res["passed"]]
+        failed += [
+            f"{name}: {check}" + (f" raised {res['error']}" if "error" in res else "")
+            for check, res in checks.items()
+            if not res["passed"]
+        ]
+    for section in ("precision", "performance"):
+        if "error" in out[section]:
+            failed.append(f"{section}: raised {out[section]['error']}")
     out["unexpected_passes"] = [
         f"{r['op']}/{r['bucket']}/{r['dtype']}" for r in out["conformance"] if r["status"] == "unexpected-pass"
     ]
     out["failures"] = failed
     out["verdict"] = "pass" if not failed else "fail"
     return out
+
+
+def _chat_prompts(model, items) -> list[list[int]]:
+    tok = model.tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": it.letters}])) for it in items]
+
+
+def _embedded_checks(test, ref, quick: bool, emulated: str | None, models: dict, out: dict) -> None:
+    """The embedded model's checks, each guarded (a raising kernel fails that check only)."""
+    items = task.heldout(8 if quick else 32)
+    tok = test.tokenizer
+    llm_prompts = _chat_prompts(test, items)
+    # mixed lengths (left-padded batches): drop 0-3 leading letters per row for the logit checks
+    mixed = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": it.letters[i % 4 :]}]))
+        for i, it in enumerate(items)
+    ]
+    answers = [tok.encode(it.answer()) for it in items]
+    answers = [a + [test.pad_id] * (40 - len(a)) for a in answers]
+    params = SamplingParams(strategy="threshold", threshold=0.9, early_stop=False, batch_size=len(items))
+    near_tie = model_checks.NEAR_TIE[test.dtype]
+    models["embedded"] = {
+        "teacher_forced": guarded(model_checks.teacher_forced, test, ref, mixed, answers, 40),
+        "decisions": guarded(model_checks.decisions, test, ref, mixed, 40),
+        # the editing rule's per-step decisions (its block state machine included) vs its oracle
+        f"decisions ({editing.RULE})": guarded(editing.check, test, ref, mixed[:3], EDIT_PARAMS, near_tie),
+        "free_running": guarded(model_checks.free_running, test, ref, llm_prompts, params),
+    }
+    # informational (no verdict): how far each quantised weight format is from this backend's full precision
+    fractions = (0.5,) if quick else (1.0, 0.5, 0.1)  # interpreted backends run these slowly
+    try:
+        out["precision"] = model_checks.precision_report(test, mixed[:4], answers[:4], 40, fractions)
+    except Exception as e:
+        out["precision"] = {"rows": [], "error": _error(e)}
+    from dinfer_rt.llm import LLM
+
+    # quick on emulated kernels (CI's interpreter runs): half the items, each a minute's work there
+    n = 200 if not quick else 24 if emulated else 50
+    models["embedded"]["accuracy"] = guarded(lambda: model_checks.task_accuracy(LLM(test), LLM(ref), n))
 
 
 def resolve_backends(spec: str) -> list[Backend]:
@@ -206,6 +309,7 @@ def resolve_backends(spec: str) -> list[Backend]:
 
 def validate(spec: str, quick: bool = False, dtypes: str = "float32,bfloat16") -> dict:
     env = envs.snapshot()
+    require_oracles()
     backends = resolve_backends(spec)
     dts = [resolve_dtype(d.strip()) for d in dtypes.split(",") if d.strip()]
     report = {

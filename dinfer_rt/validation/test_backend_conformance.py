@@ -11,6 +11,9 @@ from dinfer_rt.validation.conformance import load_json, run_case
 
 @pytest.fixture(scope="session")
 def backend(request):
+    from dinfer_rt.validation.runner import require_oracles
+
+    require_oracles("pytest --pyargs dinfer_rt.validation")
     return select_backend(request.config.getoption("--dinfer-backend"))
 
 
@@ -33,7 +36,7 @@ def test_embedded_model_free_running_matches_reference(backend):
 
     dtype = torch.float32 if torch.float32 in backend.capabilities().dtypes else backend.capabilities().dtypes[0]
     test = dinfer_rt.load_model(backend=backend.name, dtype=dtype)
-    ref = dinfer_rt.load_model(backend="cpu", dtype="float64")
+    ref = dinfer_rt.load_model(backend="reference", dtype="float64")
     tok = test.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": it.letters}])) for it in task.heldout(8)]
     params = dinfer_rt.SamplingParams(strategy="threshold", threshold=0.9, early_stop=False)
