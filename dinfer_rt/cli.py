@@ -849,19 +849,10 @@ def _annotated(graph, choice: str) -> str:
     runtime's operators (ascend: torch_npu's) is refused with the reason it is unavailable."""
     from dinfer_rt.errors import BackendError
     from dinfer_rt.executor import Executable
-    from dinfer_rt.plugins import availability, contributions, parse_choice, registry, select_backend
+    from dinfer_rt.plugins import availability, construct_backend, contributions
 
-    reg = registry()
-    name, flavour, arch = parse_choice(choice, "--backend")
-    if name not in reg.backends:
-        select_backend(choice)  # raises the standard unknown-backend error
-    backend = reg.backends[name]()
-    if flavour:
-        backend.flavour = flavour
-    if arch:
-        backend.arch = arch
-    if (bad := backend.validate_choice()) is not None:
-        raise BackendError(f"{bad} (from --backend)")
+    backend = construct_backend(choice, "--backend")
+    name = backend.name
     av = availability(backend)
     backend.contributions = contributions(backend)
     try:

@@ -151,7 +151,8 @@ class LLM:
         if params is not None and not isinstance(params, SamplingParams):
             hint = " (SamplingParams(**that_dict) builds one)" if isinstance(params, dict) else ""
             raise GenerationError(f"generate: params must be a SamplingParams, got {type(params).__name__}{hint}")
-        params = (params or SamplingParams()).validate()
+        spec = self.pool.spec if self.pool is not None else self.model.spec
+        params = (params or SamplingParams()).validate(block_causal=spec.block_causal)  # its blocks align to 0
         if not isinstance(prompts, (str, list, tuple)) or not prompts:
             raise GenerationError(f"prompts must be a string or a non-empty list, got {prompts!r}")
         prompts = list(prompts) if isinstance(prompts, tuple) else prompts

@@ -440,6 +440,20 @@ def select_backend(choice: str | None = None) -> Backend:
                 return _resolved(backend)
         raise BackendError(f"no backend is available; backends:\n{describe_all()}")
     source = _source(choice)
+    backend = construct_backend(raw, source)
+    a = availability(backend)
+    if not a:
+        raise BackendError(
+            f"backend {raw!r} chosen by {source} is unavailable: {a.reason}; backends:\n{describe_all()}"
+        )
+    return _resolved(backend)
+
+
+def construct_backend(raw: str, source: str) -> Backend:
+    """The backend a ``name[:flavour[:arch]]`` choice names, constructed with its flavour and arch
+    and checked by the backend itself, not yet checked for availability; errors name ``source``
+    (the env var or the flag the choice came from)."""
+    reg = registry()
     name, flavour, arch = parse_choice(raw, source)
     if name not in reg.backends:
         failed = [f for f in reg.failures if f.name == name]
@@ -452,12 +466,7 @@ def select_backend(choice: str | None = None) -> Backend:
         backend.arch = arch
     if (bad := backend.validate_choice()) is not None:
         raise BackendError(f"{bad} (from {source})")
-    a = availability(backend)
-    if not a:
-        raise BackendError(
-            f"backend {raw!r} chosen by {source} is unavailable: {a.reason}; backends:\n{describe_all()}"
-        )
-    return _resolved(backend)
+    return backend
 
 
 def _source(choice: str | None) -> str:

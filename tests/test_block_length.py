@@ -37,6 +37,11 @@ def test_block_causal_families_take_the_checkpoint_block_when_the_request_sets_n
     # LLM.generate, the default gen_length (40) and a served engine's default block agree
     out = dinfer_rt.LLM(model).generate([[7, 8, 9]], SamplingParams(strategy="threshold"))[0]
     assert len(out.token_ids) > 0
+    # LLM.generate takes the misaligned gen_length too (it refused it before the model's rule applied)
+    params = SamplingParams(gen_length=20, strategy="threshold", early_stop=False)
+    llm_out = dinfer_rt.LLM(model).generate(prompts, params)
+    for row, o in enumerate(llm_out):
+        assert o.token_ids == unset.requests[row].output_ids
     assert Engine(model, max_num_seqs=1).block_size == block
 
 

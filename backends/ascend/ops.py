@@ -90,6 +90,7 @@ def make_kernels(npu, fallback: Callable[[str, str], None], vector_cores: int, i
 
         def router_softmax_topk(logits, *, k, renormalize):
             w, idx, _row_idx = npu.npu_moe_gating_top_k_softmax(logits, None, k=k)
+            w = w.float()  # the operator returns the activation dtype; the IR's router weights are float32
             if renormalize:
                 w = w / w.sum(-1, keepdim=True)
             return w, idx.long()
