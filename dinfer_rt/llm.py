@@ -151,6 +151,8 @@ class LLM:
         if params is not None and not isinstance(params, SamplingParams):
             hint = " (SamplingParams(**that_dict) builds one)" if isinstance(params, dict) else ""
             raise GenerationError(f"generate: params must be a SamplingParams, got {type(params).__name__}{hint}")
+        if self.pool is None and self.model is None:
+            raise GenerationError("this LLM was closed: its worker processes are gone")
         spec = self.pool.spec if self.pool is not None else self.model.spec
         params = (params or SamplingParams()).validate(block_causal=spec.block_causal)  # its blocks align to 0
         if not isinstance(prompts, (str, list, tuple)) or not prompts:
@@ -184,8 +186,6 @@ class LLM:
     ) -> list[GenerationOutput]:
         """Every prompt a request to the worker engines (which keep running between calls); the
         outputs in prompt order. Each prompt decodes as it would alone (batch invariance)."""
-        if self.pool is None:
-            raise GenerationError("this LLM was closed: its worker processes are gone")
         encoded = [self.encode(p, params.chat, allow_mask_in_prompt, f"prompt {i}") for i, p in enumerate(prompts)]
         start = time.perf_counter()
         reqs = [self.pool.submit(ids, params) for ids in encoded]

@@ -435,6 +435,8 @@ def test_llm_eval_and_bench_take_the_tensor_parallel_size(tmp_path):
     assert llm.model is None
     assert [(o.text, o.token_ids) for o in llm.generate(prompts, params)] == want
     llm.close()
+    with pytest.raises(dinfer_rt.errors.GenerationError, match="this LLM was closed"):
+        llm.generate(prompts, params)  # named, not an AttributeError on the absent model
     # the lm-eval model: generation on the group, likelihood refused naming why
     from lm_eval.api.instance import Instance
 
