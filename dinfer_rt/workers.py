@@ -34,6 +34,7 @@ import torch
 from dinfer_rt.channel import EventReceiver, EventSender, apply_event
 from dinfer_rt.engine import EngineClosed, EngineStats, QueueFull, Request, check_request, notify
 from dinfer_rt.errors import DinferError, GenerationError
+from dinfer_rt.idle import BusyPoll
 from dinfer_rt.kv_blocks import blocks_for
 from dinfer_rt.prefix_cache import PrefixCacheStats
 from dinfer_rt.sampling import SamplingParams
@@ -101,6 +102,7 @@ def replica_main(
     rendezvous: str | None = None,
     expert_parallel: bool = False,
     collective_timeout: float = 600.0,
+    busy_poll: float = 0.0,
 ) -> None:
     """One replica process (with ``tp_size`` > 1: rank ``tp_rank`` of replica ``index``'s
     tensor-parallel group): load, report "ready" on ``outbox``, then apply the commands of
@@ -172,14 +174,19 @@ def replica_main(
     events = EventSender(events_conn, index, extra=lambda: {"prefix_cache": _prefix_report(engine)})
 
     lost_peer = False
+    idle = BusyPoll(busy_poll)  # serve --busy-poll: poll the inbox this long after the last step
     try:
         while os.getppid() == parent:  # an orphaned replica (the front end was killed) exits
-            commands = _take_commands(inbox, engine.has_work(), IDLE_WAIT_S if runner is None else TP_IDLE_WAIT_S)
+            idle_wait = IDLE_WAIT_S if runner is None else TP_IDLE_WAIT_S
+            if not engine.has_work():
+                idle.spin(lambda: not inbox.empty(), at_most=idle_wait)
+            commands = _take_commands(inbox, engine.has_work(), idle_wait)
             if _apply(commands, engine, events):
                 return
             report = None
             if engine.has_work():
                 engine.step()
+                idle.worked()
                 if runner is not None and runner.lost is not None:  # its requests failed naming it
                     events.flush()
                     runner, lost_peer = None, True
@@ -298,11 +305,14 @@ class ReplicaPool:
         tp_size: int = 1,
         expert_parallel: bool = False,
         collective_timeout: float = 600.0,
+        busy_poll: float = 0.0,
     ):
         """``tp_size`` > 1: each replica is a tensor-parallel group of that many rank processes,
         each loading its shard once (``expert_parallel``: MoE layers split whole experts). A
         collective that waits more than ``collective_timeout`` seconds on a rank (dead or hung)
-        ends that replica: its requests fail naming it and its other ranks are killed."""
+        ends that replica: its requests fail naming it and its other ranks are killed.
+        ``busy_poll``: seconds each replica's lead polls its inbox after its last step before it
+        sleeps (``idle.BusyPoll``; one core busy per replica meanwhile)."""
         import tempfile
 
         import torch.multiprocessing as mp
@@ -349,6 +359,7 @@ class ReplicaPool:
                         rendezvous,
                         expert_parallel,
                         collective_timeout,
+                        busy_poll,
                     ),
                     daemon=True,
                 )  # fmt: skip
