@@ -535,7 +535,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
         max_queue=a.max_queue,
         max_model_len=a.max_model_len,
         drain_timeout=a.drain_timeout,
-        busy_poll=a.busy_poll,
         shutdown_after_requests=a.shutdown_after_requests,
         shutdown_after_s=a.shutdown_after_s,
         max_request_bytes=a.max_request_bytes,
@@ -556,7 +555,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         pool = ReplicaPool(
             a.data_parallel_size, {"path": a.model, **load}, kwargs, max_queue=config.max_queue,
             tp_size=a.tensor_parallel_size, expert_parallel=a.expert_parallel,
-            collective_timeout=a.distributed_timeout, busy_poll=config.busy_poll,
+            collective_timeout=a.distributed_timeout,
         )  # fmt: skip
         if a.chat_template_name is not None:  # the front end renders the chats: the same template as the replicas
             pool.tokenizer.choose_chat_template(a.chat_template_name)
@@ -957,14 +956,6 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=_int_in(0), default=256, help="waiting requests; past it: 429")
     sv.add_argument("--max-model-len", type=_int_in(1), default=None, help="prompt + generated tokens (KV-cache pool)")
     sv.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for running rows")
-    sv.add_argument(
-        "--busy-poll",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="an idle engine keeps polling (one core busy) this long after its last step before it sleeps, "
-        "so a request after a gap starts on an awake core (default 0: sleep at once; inf: always poll)",
-    )
     sv.add_argument("--shutdown-after-requests", type=_int_in(1), default=None, help="exit after N answers (tests)")
     sv.add_argument("--shutdown-after-s", type=float, default=None, help="exit after S seconds (tests)")
     sv.add_argument(

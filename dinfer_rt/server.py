@@ -36,7 +36,6 @@ from dinfer_rt import asgi
 from dinfer_rt.engine import Engine, EngineClosed, QueueFull, Request
 from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import DinferError, GenerationError
-from dinfer_rt.idle import BusyPoll
 from dinfer_rt.kv_pool import available_memory, kv_pool_plan, pool_summary
 from dinfer_rt.model import Model
 from dinfer_rt.openai_protocol import (
@@ -83,7 +82,6 @@ class ServeConfig:
     max_queue: int = 256
     max_model_len: int | None = None
     drain_timeout: float = 30.0
-    busy_poll: float = 0.0  # seconds an idle engine loop spins after its last step (idle.py); inf: always
     shutdown_after_requests: int | None = None  # exit once this many requests were answered (tests)
     shutdown_after_s: float | None = None  # exit after this many seconds (tests)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a bigger body is a 413 before it is parsed
@@ -101,8 +99,6 @@ class ServeConfig:
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
         _check_seconds("drain_timeout", self.drain_timeout, 0.0, MAX_DRAIN_S)
-        if self.busy_poll != math.inf:  # inf: spin whenever idle, as SGLang does by default
-            _check_seconds("busy_poll", self.busy_poll, 0.0, MAX_LIFETIME_S)
         EngineArgs.build(**self.engine_args)  # an unknown or out-of-range engine setting, named
         if self.shutdown_after_s is not None:
             _check_seconds("shutdown_after_s", self.shutdown_after_s, 0.0, MAX_LIFETIME_S, low_open=True)
@@ -232,11 +228,8 @@ class EngineLoop:
     step time on a fresh thread. ``build_app(..., engine_thread=True)`` starts it on its own
     thread instead (in-process use, e.g. a test client)."""
 
-    def __init__(
-        self, engine: Engine, metrics: "Metrics", relay: "EventRelay | None" = None, busy_poll: float = 0.0
-    ) -> None:
+    def __init__(self, engine: Engine, metrics: "Metrics", relay: "EventRelay | None" = None) -> None:
         self.engine, self.metrics = engine, metrics
-        self.idle = BusyPoll(busy_poll)  # --busy-poll: spin this long after the last step before sleeping
         self.relay = relay or EventRelay()  # the step's events, handed to the HTTP loop when it ends
         self.failure: str | None = None  # why the loop stopped on its own (every replica died)
         self.wake = threading.Event()
@@ -261,15 +254,13 @@ class EngineLoop:
                 self.failure = "every engine replica has died: " + self.engine.death_reason()
                 break
             if not self.engine.has_work() and replicas is None:  # a replica pool's step waits for events itself
-                if not self.idle.spin(self.wake.is_set):
-                    self.wake.wait(IDLE_WAIT_S)  # a submit, a signal, a drain or the HTTP thread's end sets it
+                self.wake.wait(IDLE_WAIT_S)  # a submit, a signal, a drain or the HTTP thread's end sets it
                 self.wake.clear()
                 continue
             t0 = time.perf_counter()
             before, steps = self.engine.stats.committed, self.engine.stats.steps
             with self.relay.holding():  # the step's events leave together, after it
                 finished = self.engine.step()
-            self.idle.worked()
             if self.engine.stats.steps != steps:  # a forward ran (a replica pool's step may only relay events)
                 self.metrics.on_step(time.perf_counter() - t0, self.engine, self.engine.stats.committed - before)
             for req in finished:
@@ -645,7 +636,7 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
         if engine.blocks is not None:
             metrics.kv_blocks.set(engine.blocks.usable)
     relay = EventRelay()
-    loop_holder = EngineLoop(engine, metrics, relay, busy_poll=config.busy_poll)
+    loop_holder = EngineLoop(engine, metrics, relay)
     tok = model.tokenizer
     per_token = chars_per_token(tok)
     mask_id = getattr(model, "mask_id", None)  # refused in prompts unless a request sets allow_mask_in_prompt

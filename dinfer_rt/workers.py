@@ -34,7 +34,6 @@ import torch
 from dinfer_rt.channel import EventReceiver, EventSender, apply_event
 from dinfer_rt.engine import EngineClosed, EngineStats, QueueFull, Request, check_request, notify
 from dinfer_rt.errors import DinferError, GenerationError
-from dinfer_rt.idle import BusyPoll
 from dinfer_rt.kv_blocks import blocks_for
 from dinfer_rt.prefix_cache import PrefixCacheStats
 from dinfer_rt.sampling import SamplingParams
@@ -102,7 +101,6 @@ def replica_main(
     rendezvous: str | None = None,
     expert_parallel: bool = False,
     collective_timeout: float = 600.0,
-    busy_poll: float = 0.0,
 ) -> None:
     """One replica process (with ``tp_size`` > 1: rank ``tp_rank`` of replica ``index``'s
     tensor-parallel group): load, report "ready" on ``outbox``, then apply the commands of
@@ -174,19 +172,14 @@ def replica_main(
     events = EventSender(events_conn, index, extra=lambda: {"prefix_cache": _prefix_report(engine)})
 
     lost_peer = False
-    idle = BusyPoll(busy_poll)  # serve --busy-poll: poll the inbox this long after the last step
     try:
         while os.getppid() == parent:  # an orphaned replica (the front end was killed) exits
-            idle_wait = IDLE_WAIT_S if runner is None else TP_IDLE_WAIT_S
-            if not engine.has_work():
-                idle.spin(lambda: not inbox.empty(), at_most=idle_wait)
-            commands = _take_commands(inbox, engine.has_work(), idle_wait)
+            commands = _take_commands(inbox, engine.has_work(), IDLE_WAIT_S if runner is None else TP_IDLE_WAIT_S)
             if _apply(commands, engine, events):
                 return
             report = None
             if engine.has_work():
                 engine.step()
-                idle.worked()
                 if runner is not None and runner.lost is not None:  # its requests failed naming it
                     events.flush()
                     runner, lost_peer = None, True
@@ -305,14 +298,11 @@ class ReplicaPool:
         tp_size: int = 1,
         expert_parallel: bool = False,
         collective_timeout: float = 600.0,
-        busy_poll: float = 0.0,
     ):
         """``tp_size`` > 1: each replica is a tensor-parallel group of that many rank processes,
         each loading its shard once (``expert_parallel``: MoE layers split whole experts). A
         collective that waits more than ``collective_timeout`` seconds on a rank (dead or hung)
-        ends that replica: its requests fail naming it and its other ranks are killed.
-        ``busy_poll``: seconds each replica's lead polls its inbox after its last step before it
-        sleeps (``idle.BusyPoll``; one core busy per replica meanwhile)."""
+        ends that replica: its requests fail naming it and its other ranks are killed."""
         import tempfile
 
         import torch.multiprocessing as mp
@@ -359,7 +349,6 @@ class ReplicaPool:
                         rendezvous,
                         expert_parallel,
                         collective_timeout,
-                        busy_poll,
                     ),
                     daemon=True,
                 )  # fmt: skip

@@ -305,11 +305,6 @@ CASES = [
         "drain_timeout (--drain-timeout) must be a finite number in [0, 86400] seconds, got nan",
     ),
     Case(
-        "serve-busy-poll-negative",
-        lambda env: _serve(env, "--busy-poll", "-1"),
-        "busy_poll (--busy-poll) must be a finite number in [0, 31536000] seconds, got -1.0",
-    ),
-    Case(
         "serve-shutdown-after-inf",
         lambda env: env.cli("serve", "--port", "0", "--shutdown-after-s", "inf"),
         "shutdown_after_s (--shutdown-after-s) must be a finite number in (0, 31536000] seconds, got inf",
