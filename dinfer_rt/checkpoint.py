@@ -8,6 +8,7 @@ the file: loading converts one tensor at a time and never holds the checkpoint t
 from __future__ import annotations
 
 import json
+import stat
 import struct
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -51,7 +52,10 @@ _MAX_HEADER = 100 * 1024 * 1024
 def read_header(path: Path) -> dict[str, dict]:
     """Parse and check a safetensors header; returns ``{tensor: {dtype, shape, data_offsets}}``."""
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):  # a FIFO or device would block or stream forever
+            raise CheckpointError(f"{path}: is not a regular file")
+        size = st.st_size
         with path.open("rb") as fh:
             raw_len = fh.read(8)
             if len(raw_len) < 8:
@@ -84,13 +88,20 @@ def read_header(path: Path) -> dict[str, dict]:
             raise CheckpointError(f"{path}: tensor {name!r} has unknown safetensors dtype {dtype[:40]!r}")
         try:
             dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+            if not isinstance(shape, list) or not all(_count(d) for d in shape) or not (_count(start) and _count(end)):
+                raise ValueError("shape and data_offsets must hold non-negative integers")
             numel = 1
             for d in shape:
-                numel *= int(d)
+                numel *= d
             want = numel * _DTYPE_BYTES[dtype]
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name!r}: {info!r}") from None
-        if end - start != want or start < 0:
+            entry = repr(info)
+            entry = entry if len(entry) <= 200 else entry[:200] + "..."
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header entry for tensor {name!r} (needs dtype, shape: a list of "
+                f"non-negative integers, data_offsets: [start, end] non-negative integers): {entry}"
+            ) from None
+        if end - start != want:
             raise CheckpointError(
                 f"{path}: tensor {name!r} has {end - start} bytes, its shape {shape} {dtype} needs {want}"
             )
@@ -99,6 +110,11 @@ def read_header(path: Path) -> dict[str, dict]:
                 f"{path}: truncated: tensor {name!r} ends at byte {end} of a {data_size}-byte data section"
             )
     return header
+
+
+def _count(v) -> bool:
+    """A non-negative int (JSON's true / false are no sizes)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 class Checkpoint:
@@ -128,9 +144,12 @@ class Checkpoint:
 
     def _read_index(self, index: Path) -> list[str]:
         try:
-            text = index.read_text()
+            text = index.read_text(encoding="utf-8")
         except OSError as e:
             raise CheckpointError(f"{index}: cannot read ({e.strerror or e})") from None
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index (not UTF-8 text: {e.reason} at byte "
+                                  f"{e.start})") from None  # fmt: skip
         try:
             data = json.loads(text)
             self._weight_map: dict[str, str] = dict(data["weight_map"])

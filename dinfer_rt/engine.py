@@ -41,7 +41,7 @@ from dinfer_rt.engine_args import EngineArgs
 from dinfer_rt.errors import GenerationError
 from dinfer_rt.graph_buckets import GraphBuckets
 from dinfer_rt.kv_blocks import KVBlocks, blocks_for
-from dinfer_rt.kv_pool import available_memory, format_bytes, kv_pool_plan
+from dinfer_rt.kv_pool import available_memory, check_batch_fits, format_bytes, kv_pool_plan
 from dinfer_rt.model import Model, PagedKV
 from dinfer_rt.model_runner import ForwardInputs, LocalRunner
 from dinfer_rt.prefix_cache import CachedBlock, PrefixCache, default_budget
@@ -1251,6 +1251,9 @@ def run_batch(
     if not prompts or any(len(p) == 0 for p in prompts):
         raise GenerationError("every prompt must have at least one token")
     n = min(max(len(p) for p in prompts) + params.gen_length, model.spec.max_length)
+    tp = getattr(model, "tensor_parallel", None)
+    kv_heads = None if tp is None else tp.kv_heads(model.spec)
+    check_batch_fits(model.spec, model.dtype, model.backend.device(), len(prompts), n + 1, kv_heads)
     block = params.block_length if model.spec.block_causal else None
     args = EngineArgs.build(
         args, max_num_seqs=len(prompts), max_num_batched_tokens=2**62, max_model_len=n, prefix_cache_bytes=0,

@@ -78,6 +78,9 @@ def resolve_model(
                 "drop --revision, or check out that revision into the folder"
             )
         return path
+    if revision is not None and not revision.strip():
+        raise ConfigError(f"--revision {revision!r} is empty: name a branch, tag or commit, or leave it out")
+    _check_offline_env()
     if download_dir is not None:
         download_dir = Path(download_dir).expanduser()
         if download_dir.exists() and not download_dir.is_dir():
@@ -176,6 +179,12 @@ def _from_huggingface(repo: str, revision: str | None, download_dir: Path | None
             f"{at}: download from {constants.ENDPOINT} failed ({type(e).__name__}: {_first_line(e)}): "
             "check the network, a proxy or HF_ENDPOINT, or pass a local folder"
         ) from None
+    if Path(folder).name == "snapshots":  # the cache's ref file named no commit: huggingface_hub joins ""
+        ref = cache / ("models--" + repo.replace("/", "--")) / "refs" / (revision or "main")
+        raise ConfigError(
+            f"{at}: the Hugging Face cache's ref file {ref} names no commit (it is empty: an interrupted "
+            "download): delete it and download again online, or pass --revision COMMIT"
+        )
     return Path(folder)
 
 
@@ -280,6 +289,18 @@ def _from_modelscope(repo: str, revision: str | None, download_dir: Path | None)
     if folder is None or not Path(folder).is_dir():
         raise ConfigError(f"{at}: ModelScope returned no folder ({folder!r})")
     return Path(folder)
+
+
+_BOOLEAN_WORDS = {"", "1", "0", "true", "false", "yes", "no", "on", "off"}
+
+
+def _check_offline_env() -> None:
+    """``HF_HUB_OFFLINE`` must read as a boolean: huggingface_hub takes anything but 1 / ON / YES /
+    TRUE as "online", so a typo would silently reach for the network."""
+    raw = os.environ.get("HF_HUB_OFFLINE")
+    if raw is not None and raw.strip().lower() not in _BOOLEAN_WORDS:
+        shown = raw if len(raw) <= 40 else raw[:40] + "..."
+        raise ConfigError(f"HF_HUB_OFFLINE={shown!r} is not a boolean; use 1 (offline) or 0 (online)")
 
 
 def _env_offline() -> bool:

@@ -57,6 +57,20 @@ def available_memory(device) -> int | None:
     return None
 
 
+def check_batch_fits(spec, dtype: torch.dtype, device, rows: int, positions: int, kv_heads: int | None = None) -> None:
+    """A static batch's KV cache (``rows`` x ``positions``) must fit the free memory: refused
+    naming the bytes and what to lower, not left to the allocator's traceback (or to a swap
+    storm). Unknown free memory (some devices): not checked."""
+    need = rows * kv_row_bytes(spec, dtype, positions, kv_heads)
+    free = available_memory(device)
+    if free is not None and need > free:
+        raise GenerationError(
+            f"the KV cache for {rows} row(s) x {positions} positions needs {format_bytes(need)} ({need} bytes), "
+            f"more than the {format_bytes(free)} free on {device}: lower the batch (batch_size), gen_length "
+            "or the prompt length"
+        )
+
+
 def kv_row_bytes(spec, dtype: torch.dtype, positions: int, kv_heads: int | None = None) -> int:
     """Bytes of ``positions`` positions of one KV pool row (``Model.new_cache``'s tensors): K and V
     per layer, each ``positions x kv_heads x head_dim`` of ``dtype`` (``kv_heads``: a rank's share

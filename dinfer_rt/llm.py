@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from dinfer_rt.engine import run_batch
 from dinfer_rt.engine_args import EngineArgs
-from dinfer_rt.errors import GenerationError
+from dinfer_rt.errors import GenerationError, TokenizerError
 from dinfer_rt.loader import load_model
 from dinfer_rt.model import Model
 from dinfer_rt.sampling import SamplingParams
@@ -126,6 +126,8 @@ class LLM:
     ) -> list[int]:
         mask_id = (self.pool if self.pool is not None else self.model).mask_id
         if isinstance(prompt, list):
+            if not prompt:
+                raise GenerationError(f"{where} is an empty list of token ids: at least one token is needed")
             refuse_mask_token(prompt, mask_id, where, allow_mask_in_prompt)
             return prompt  # ids: checked against the vocabulary by the engine
         if not isinstance(prompt, str):
@@ -134,10 +136,19 @@ class LLM:
         if tok is None:
             raise GenerationError("this model was loaded without a tokenizer; pass token ids")
         if not prompt.strip():
-            raise GenerationError("empty prompt")
+            raise GenerationError(f"{where} is an empty prompt (empty or only whitespace)")
         if chat and tok.chat_template:
-            prompt = tok.apply_chat_template([{"role": "user", "content": prompt}])
-        ids = tok.encode(prompt)
+            rendered = tok.apply_chat_template([{"role": "user", "content": prompt}])
+            try:
+                ids = tok.encode(rendered)
+            except TokenizerError as e:
+                tok.encode(prompt)  # the user's text is at fault: its own error, naming what is unknown
+                raise TokenizerError(  # else the template's own text is
+                    f"{tok.chat_template_source}: the chat template writes text the tokenizer does not know "
+                    f"({where} alone encodes): {e}"
+                ) from None
+        else:
+            ids = tok.encode(prompt)
         refuse_mask_token(ids, mask_id, where, allow_mask_in_prompt)
         return ids
 
@@ -148,6 +159,9 @@ class LLM:
         progress: bool = False,
         allow_mask_in_prompt: bool = False,
     ) -> list[GenerationOutput]:
+        for name, flag in (("progress", progress), ("allow_mask_in_prompt", allow_mask_in_prompt)):
+            if not isinstance(flag, bool):  # "no" is truthy: a silent yes
+                raise GenerationError(f"generate: {name} must be True or False, got {type(flag).__name__} {flag!r}")
         if params is not None and not isinstance(params, SamplingParams):
             hint = " (SamplingParams(**that_dict) builds one)" if isinstance(params, dict) else ""
             raise GenerationError(f"generate: params must be a SamplingParams, got {type(params).__name__}{hint}")

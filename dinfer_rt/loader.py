@@ -52,7 +52,21 @@ def check_special_tokens(model_dir: Path, spec, tok: Tokenizer) -> None:
     """config.json's mask, pad and BOS ids must be the tokens tokenizer_config.json names: the
     scheduler writes the mask id into every undecided slot and the pad id into padding, so a
     contradiction would silently decode nonsense. (EOS may legitimately differ: instruct models
-    name the end-of-turn token there, and every such id ends a generation.)"""
+    name the end-of-turn token there, and every such id ends a generation.) A BOS or EOS token
+    tokenizer_config.json names must be in tokenizer.json: a chat template renders it as text,
+    which would otherwise be split into plain characters. (Its mask token may be missing when
+    config.json gives the id: SDAR's files spell it differently.)"""
+    cfg = model_dir / "tokenizer_config.json"
+    for key in ("bos_token", "eos_token"):  # templates render them as text: absent, they would be split into letters
+        text = tok.specials.get(key)
+        if text is not None and tok.special_id(key) is None:
+            raise ConfigError(f"{cfg}: field {key!r} = {text!r} is not a token of {model_dir / 'tokenizer.json'}")
+    mask = tok.specials.get("mask_token")
+    if spec.mask_id is None and mask is not None and tok.special_id("mask_token") is None:
+        raise ConfigError(
+            f"{cfg}: field 'mask_token' = {mask!r} is not a token of {model_dir / 'tokenizer.json'}, and "
+            f"{model_dir / 'config.json'} has no 'mask_token_id': the model has no mask id"
+        )
     for field, key, ours in (
         ("mask_token_id", "mask_token", spec.mask_id),
         ("pad_token_id", "pad_token", spec.pad_id),
@@ -85,7 +99,12 @@ def auto_dtype(spec, backend) -> torch.dtype:
     if backend.device().type == "cpu":
         return torch.float32
     named = spec.config.get("torch_dtype")
-    dt = resolve_dtype(named) if isinstance(named, str) else torch.float32
+    try:
+        dt = resolve_dtype(named) if isinstance(named, str) else torch.float32
+    except ConfigError as e:  # the user passed no dtype: name the field that gave this one
+        raise ConfigError(
+            f"config.json: field 'torch_dtype' = {named!r} ({e}); --dtype / dtype= picks one instead"
+        ) from None
     return dt if dt in backend.capabilities().dtypes else torch.float32
 
 
@@ -122,6 +141,12 @@ def load_model(
     its packed 4-bit layout without it (``docs/quantization.md``). ``chat_template_name`` picks one
     of the named templates when tokenizer_config.json's ``chat_template`` is a list of them.
     """
+    _check_arguments(
+        path=path, backend=backend, dtype=dtype, tokenizer=tokenizer, disable_passes=disable_passes,
+        check_weights=check_weights, tensor_parallel=tensor_parallel, quantization=quantization,
+        expert_parallel=expert_parallel, revision=revision, download_dir=download_dir,
+        chat_template_name=chat_template_name,
+    )  # fmt: skip
     model_dir = model_folder(path, revision, download_dir)
     spec = parse_spec(model_dir)
     tp = None
@@ -157,6 +182,43 @@ def load_model(
     model.generation_eos_ids = generation_eos  # generation_config.json's stop ids (docs/models.md)
     model.executable(cached=False)  # lower, verify and compile now: errors surface at load
     return model
+
+
+_OPTIONAL_TEXT = (str, type(None))
+_KINDS = {  # load_model's keyword -> (accepted types, what the message asks for)
+    "path": ((str, Path, type(None)), "a folder, a hub id (ORG/NAME) or None"),
+    "backend": (_OPTIONAL_TEXT, "a backend name or None"),
+    "dtype": ((str, torch.dtype, type(None)), "a dtype name, a torch.dtype or None"),
+    "tokenizer": ((bool,), "True or False"),
+    "disable_passes": ((tuple, list), "a list of pass names"),
+    "check_weights": ((bool,), "True or False"),
+    "tensor_parallel": ((tuple, type(None)), "(rank, world) or None"),
+    "quantization": (_OPTIONAL_TEXT, "'int8', 'fp8' or None"),
+    "expert_parallel": ((bool,), "True or False"),
+    "revision": (_OPTIONAL_TEXT, "a branch, tag or commit, or None"),
+    "download_dir": ((str, Path, type(None)), "a folder or None"),
+    "chat_template_name": (_OPTIONAL_TEXT, "a template name or None"),
+}
+
+
+def _check_arguments(**args) -> None:
+    """``load_model``'s arguments have the types it documents: a slip (``backend=5``, a string of
+    pass names, an empty path that would mean the current folder) is one error naming the
+    argument, not a failure deep inside loading."""
+    for name, value in args.items():
+        types, expected = _KINDS[name]
+        if not isinstance(value, types):
+            raise ConfigError(f"load_model: {name} must be {expected}, got {type(value).__name__} {value!r}")
+        if name in ("path", "revision", "download_dir") and isinstance(value, (str, Path)) and not str(value).strip():
+            raise ConfigError(f"load_model: {name} is empty ({value!r}); give one or leave it None")
+    bad = [p for p in args["disable_passes"] if not isinstance(p, str)]
+    if bad:
+        raise ConfigError(f"load_model: disable_passes must hold pass names (strings), got {bad[0]!r}")
+    tp = args["tensor_parallel"]
+    if tp is not None and (
+        len(tp) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in tp) or not 0 <= tp[0] < tp[1]
+    ):
+        raise ConfigError(f"load_model: tensor_parallel must be (rank, world) ints with 0 <= rank < world, got {tp!r}")
 
 
 def _weight_format(model_dir: Path, spec, backend, quantization: str | None, tp) -> str | None:

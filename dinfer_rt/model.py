@@ -291,6 +291,9 @@ class Model:
 
     def new_cache(self, batch: int, length: int) -> KVCache:
         s = self.spec
+        for name, v in (("batch", batch), ("length", length)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise GenerationError(f"new_cache: {name} must be an int >= 1, got {v!r}")
         kv = s.n_kv_heads if self.tensor_parallel is None else self.tensor_parallel.kv_heads(s)
         shape = (batch, length, kv, s.head_dim)
         dev = self.backend.device()
@@ -469,6 +472,11 @@ class Model:
         return torch.searchsorted(run, self.predicting(positions))
 
     def _inputs(self, input_ids, attention_mask, cache, compute):
+        if not isinstance(input_ids, torch.Tensor):
+            raise GenerationError(
+                f"input_ids must be a [batch, length] integer tensor, got {type(input_ids).__name__} "
+                "(torch.tensor(ids) makes one; LLM.generate takes lists of ids)"
+            )
         if input_ids.dim() != 2:
             raise GenerationError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
         b, n = input_ids.shape

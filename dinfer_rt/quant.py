@@ -73,6 +73,10 @@ def gptq_config(config: dict, config_path) -> dict | None:
     if qc is None:
         return None
     where = f"{config_path}: quantization_config"
+    if not isinstance(qc, dict):
+        shown = repr(qc) if len(repr(qc)) <= 60 else repr(qc)[:60] + "..."
+        raise ConfigError(f"{where} must be an object (e.g. {{\"quant_method\": \"gptq\", ...}}), found "
+                          f"{type(qc).__name__} {shown}")  # fmt: skip
     method = qc.get("quant_method")
     if method != "gptq":
         raise ConfigError(f"{where}: quant_method {method!r} is not supported (only 'gptq', 4-bit)")
@@ -82,9 +86,12 @@ def gptq_config(config: dict, config_path) -> dict | None:
     if fmt not in ("gptq", "gptq_v2"):
         raise ConfigError(f"{where}: checkpoint_format {fmt!r} is not supported ('gptq' or 'gptq_v2')")
     group = qc.get("group_size", 128)
-    if not isinstance(group, int) or (group <= 0 and group != -1):
+    if isinstance(group, bool) or not isinstance(group, int) or (group <= 0 and group != -1):
         raise ConfigError(f"{where}: group_size {group!r} must be a positive int or -1 (one group)")
-    return {"group_size": group, "zero_offset": 1 if fmt == "gptq" else 0, "desc_act": bool(qc.get("desc_act"))}
+    desc_act = qc.get("desc_act", False)
+    if desc_act is not None and not isinstance(desc_act, bool):  # "false" is truthy: a silent act-order
+        raise ConfigError(f"{where}: desc_act {desc_act!r} must be true or false")
+    return {"group_size": group, "zero_offset": 1 if fmt == "gptq" else 0, "desc_act": bool(desc_act)}
 
 
 def gptq_shapes(out_f: int, in_f: int, group: int, where: str) -> dict[str, tuple[int, ...]]:

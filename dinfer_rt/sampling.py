@@ -177,6 +177,11 @@ class SamplingParams:
         block = self.block_length
         if block is None:
             block = (spec.default_block_size if spec.block_causal else None) or DEFAULT_BLOCK_LENGTH
+            if self.gen_length % block and not spec.block_causal:  # say where the block length came from
+                raise GenerationError(
+                    f"SamplingParams: gen_length {self.gen_length} is not a multiple of block_length {block} "
+                    "(the default: no block_length was set); set block_length to a divisor of gen_length"
+                )
         return dataclasses.replace(self, block_length=block).validate(block_causal=spec.block_causal)
 
     def refresh_limit(self) -> float:

@@ -364,6 +364,158 @@ CASES = [
 ]
 
 
+def _header_entry(**changes) -> Callable:
+    """Rewrite one tensor's entry in model.safetensors' header (the data left as it is), then load."""
+
+    def run(env: Env) -> None:
+        import struct
+
+        f = env.ckpt / "model.safetensors"
+        raw = f.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8 : 8 + n])
+        header["model.transformer.ln_f.weight"].update(changes)
+        text = json.dumps(header).encode()
+        f.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+        _load(env.ckpt)
+
+    return run
+
+
+def _fifo_weights(env: Env) -> None:
+    import os
+
+    f = env.ckpt / "model.safetensors"
+    f.unlink()
+    os.mkfifo(f)  # opened for reading, it would block until a writer came
+    _load(env.ckpt)
+
+
+def _index_not_utf8(env: Env) -> None:
+    (env.ckpt / "model.safetensors.index.json").write_bytes(b"\xff\xfe{}")
+    _load(env.ckpt)
+
+
+def _generate_with(prompt, **kw) -> Callable:
+    def run(env: Env) -> None:
+        params = kw.pop("params", dinfer_rt.SamplingParams(gen_length=4, block_length=4))
+        dinfer_rt.LLM(env.ckpt, backend="cpu").generate(prompt, params, **kw)
+
+    return run
+
+
+def _kv_past_memory(env: Env) -> None:
+    env.config(max_sequence_length=10**15)
+    big = 2**40  # positions: 2 layers x K and V x 4 heads x 12 dims x 4 bytes each = 768 TiB
+    params = dinfer_rt.SamplingParams(gen_length=big, block_length=big)
+    dinfer_rt.LLM(env.ckpt, backend="cpu").generate([[7, 8]], params)
+
+
+def _mask_token_unknown(env: Env) -> None:
+    cfg = json.loads((env.ckpt / "config.json").read_text())
+    del cfg["mask_token_id"]
+    (env.ckpt / "config.json").write_text(json.dumps(cfg))
+    env.tokenizer_config(mask_token="<|MASK|>")
+    _load(env.ckpt)
+
+
+def _template_text_unknown(env: Env) -> None:
+    env.tokenizer_config(chat_template="{{ bos_token }}# {{ messages[0]['content'] }}<|eot_id|>")
+    dinfer_rt.LLM(env.ckpt, backend="cpu").generate("ab", dinfer_rt.SamplingParams(gen_length=4, block_length=4))
+
+
+class _DeviceBackend:
+    """Just enough of a device backend for ``loader.auto_dtype`` (no GPU here)."""
+
+    def device(self) -> torch.device:
+        return torch.device("cuda")
+
+
+def _auto_dtype_of(env: Env, value: str) -> None:
+    from dinfer_rt.loader import auto_dtype
+    from dinfer_rt.model_spec import parse_spec
+
+    auto_dtype(parse_spec(env.config(torch_dtype=value)), _DeviceBackend())
+
+
+CASES += [
+    # ------------------------------------------------------------------ a loading / API probe (this round)
+    Case("weights-not-a-regular-file", _fifo_weights, "model.safetensors: is not a regular file"),
+    Case(
+        "header-offsets-not-integers",
+        _header_entry(data_offsets=["0", "192"]),
+        "corrupt safetensors header entry for tensor 'model.transformer.ln_f.weight' (needs dtype, shape: a list of "
+        "non-negative integers",
+    ),  # fmt: skip
+    Case(
+        "header-negative-offset",
+        _header_entry(data_offsets=[-4, 188]),
+        "corrupt safetensors header entry for tensor 'model.transformer.ln_f.weight'",
+    ),  # fmt: skip
+    Case(
+        "header-shape-negative",
+        _header_entry(shape=[-48]),
+        "corrupt safetensors header entry for tensor 'model.transformer.ln_f.weight'",
+    ),  # fmt: skip
+    Case("index-not-utf8", _index_not_utf8, "model.safetensors.index.json: not a valid safetensors index (not UTF-8"),
+    Case(
+        "quantization-config-not-object",
+        lambda env: _load(env.config(quantization_config="gptq")),
+        "config.json: quantization_config must be an object",
+    ),
+    Case(
+        "gptq-desc-act-not-bool",
+        lambda env: _load(env.config(quantization_config={"quant_method": "gptq", "bits": 4, "desc_act": "false"})),
+        "quantization_config: desc_act 'false' must be true or false",
+    ),
+    Case(
+        "bos-token-not-in-tokenizer",
+        lambda env: _load(env.tokenizer_config(bos_token="BOS")),
+        "tokenizer_config.json: field 'bos_token' = 'BOS' is not a token of",
+    ),
+    Case("mask-token-not-in-tokenizer", _mask_token_unknown, "field 'mask_token' = '<|MASK|>' is not a token of"),
+    Case(
+        "chat-template-text-unknown",
+        _template_text_unknown,
+        "the chat template writes text the tokenizer does not know (prompt 0 alone encodes)",
+    ),
+    Case(
+        "generate-flag-not-bool",
+        _generate_with([[7, 8]], allow_mask_in_prompt="no"),
+        "generate: allow_mask_in_prompt must be True or False, got str 'no'",
+    ),
+    Case("empty-prompt-named", _generate_with(["ab", " "]), "prompt 1 is an empty prompt"),
+    Case("empty-id-prompt-named", _generate_with([[7], []]), "prompt 1 is an empty list of token ids"),
+    Case(
+        "default-block-length-named",
+        _generate_with(["ab"], params=dinfer_rt.SamplingParams(gen_length=10)),
+        "gen_length 10 is not a multiple of block_length 40 (the default: no block_length was set)",
+    ),
+    Case("kv-cache-past-memory", _kv_past_memory, "the KV cache for 1 row(s) x"),
+    Case(
+        "auto-dtype-names-the-field",
+        lambda env: _auto_dtype_of(env, "float8"),
+        "config.json: field 'torch_dtype' = 'float8' (unknown dtype 'float8'",
+    ),
+    Case(
+        "load-model-argument-type",
+        lambda env: _load(env.ckpt, backend=5),
+        "load_model: backend must be a backend name or None, got int 5",
+    ),
+    Case(
+        "load-model-passes-a-string",
+        lambda env: _load(env.ckpt, disable_passes="cse"),
+        "load_model: disable_passes must be a list of pass names, got str 'cse'",
+    ),
+    Case("load-model-empty-path", lambda env: dinfer_rt.load_model(""), "load_model: path is empty ('')"),
+    Case(
+        "forward-takes-a-tensor",
+        lambda env: dinfer_rt.load_model(env.ckpt, backend="cpu").forward([[7, 8]]),
+        "input_ids must be a [batch, length] integer tensor, got list",
+    ),
+]
+
+
 def _serve(env: Env, *args: str) -> None:
     """``dinfer-rt serve`` on a free port, bounded: refused before it loads, or it exits by itself
     after 20 s (then the case fails: exit 0 is no error)."""

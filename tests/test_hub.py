@@ -517,3 +517,34 @@ def test_cli_resolves_once_and_keeps_the_hub_id(hf_home, monkeypatch):
     a = build_parser().parse_args(["ir", "--model", str(EMBEDDED)])
     _resolve_model_args(a)
     assert a.model == EMBEDDED and a.hub_id is None
+
+
+def test_an_empty_ref_file_is_named(hf_home, monkeypatch):
+    """refs/main with no commit in it (an interrupted download): huggingface_hub joins "" to the
+    snapshots folder; the error names the ref file, not a missing config.json."""
+    from huggingface_hub import constants
+
+    storage = write_hub_cache(hf_home / "hub", "acme/refempty", {MAIN: _model_files()}, {"main": ""})
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    line = _main_error_line([*ARGS, "--model", "acme/refempty"])
+    assert f"ref file {storage / 'refs' / 'main'} names no commit" in line, line
+    assert "--revision COMMIT" in line, line
+
+
+def test_an_empty_revision_is_refused(hf_home, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    for revision in ("", "  "):
+        line = _main_error_line([*ARGS, "--model", REPO, "--revision", revision])
+        assert f"--revision {revision!r} is empty: name a branch, tag or commit" in line, line
+
+
+def test_hf_hub_offline_must_be_a_boolean(hf_home):
+    """huggingface_hub reads any value but 1/ON/YES/TRUE as online: a typo is named instead."""
+    env = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "maybe"}
+    line = _one_error_line(run_cli([*ARGS, "--model", "acme/nothing"], env))
+    assert "HF_HUB_OFFLINE='maybe' is not a boolean; use 1 (offline) or 0 (online)" in line, line
+    ok = run_cli([*ARGS, "--model", REPO], {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "True"})
+    assert ok.returncode == 0, ok.stderr  # a spelling huggingface_hub takes is fine

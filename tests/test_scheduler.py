@@ -154,7 +154,7 @@ def test_prompt_too_long_and_empty_prompt(ckpt_dir):
     llm = dinfer_rt.LLM(ckpt_dir("llada"))
     with pytest.raises(GenerationError, match="exceeds the model's max length 256"):
         llm.generate([[7] * 250], SamplingParams(gen_length=8, block_length=8))
-    with pytest.raises(GenerationError, match="empty prompt"):
+    with pytest.raises(GenerationError, match="is an empty prompt"):
         llm.generate("   ")
 
 
