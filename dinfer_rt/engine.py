@@ -1161,6 +1161,8 @@ class Engine:
         tok = self.model.tokenizer
         text = tok.decode(ids) if tok is not None else ""
         if req.params.stop and tok is not None:
+            if reason == "length" and first_stop(text, req.params.stop) >= 0:
+                reason = "stop"  # max_tokens and a stop string in the same step: the stop cut the answer
             keep, text = cut_at_stop(tok.decode, ids, text, req.params.stop)
             ids = ids[:keep]
         req.output_ids, req.text = ids, text

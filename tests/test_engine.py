@@ -421,3 +421,28 @@ def test_requests_waiting_together_decode_as_one_lockstep_cohort(embedded):
     engine.run_until_idle()
     for p, req in zip(prompts, reqs):
         assert req.output_ids == embedded.generate([p], sampled)[0].token_ids
+
+
+def test_a_stop_string_within_max_tokens_finishes_with_stop_even_when_both_meet_in_one_step(embedded):
+    """max_tokens and a stop string reached in the same step: the stop cut the answer, so its
+    reason is "stop" (it was "length": the max_tokens check ran first; from a server probe).
+    Every (stop, max_tokens) pair of a raw prompt's answer: "stop" exactly when the uncut
+    answer's first max_tokens tokens hold the stop string."""
+    from dinfer_rt.stopping import first_stop
+
+    model = embedded.model
+    prompt = model.tokenizer.encode("qwertyuiop")  # raw, no chat template: an answer with many letters
+    params = SamplingParams(block_length=8, strategy="threshold", threshold=0.9)
+    engine = Engine(model, max_num_seqs=1)
+    whole = engine.submit(prompt, params, max_tokens=40)
+    engine.run_until_idle()
+    checked = 0
+    for stop in ("|", "e", "w", "uuu", "r|", "t"):
+        for max_tokens in (8, 16, 24, 32):
+            head = model.tokenizer.decode(whole.output_ids[:max_tokens])
+            req = engine.submit(prompt, dataclasses.replace(params, stop=(stop,)), max_tokens=max_tokens)
+            engine.run_until_idle()
+            want = "stop" if first_stop(head, (stop,)) >= 0 else "length"
+            assert req.finish_reason == want, (stop, max_tokens, head, req.text)
+            checked += want == "stop"
+    assert checked >= 6  # the case the fix is about occurs in this table
