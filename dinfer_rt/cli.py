@@ -535,6 +535,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         max_queue=a.max_queue,
         max_model_len=a.max_model_len,
         drain_timeout=a.drain_timeout,
+        body_timeout=a.body_timeout,
         shutdown_after_requests=a.shutdown_after_requests,
         shutdown_after_s=a.shutdown_after_s,
         max_request_bytes=a.max_request_bytes,
@@ -956,6 +957,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=_int_in(0), default=256, help="waiting requests; past it: 429")
     sv.add_argument("--max-model-len", type=_int_in(1), default=None, help="prompt + generated tokens (KV-cache pool)")
     sv.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for running rows")
+    sv.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds a request body may stall before a 408 (default 30)"
+    )
     sv.add_argument("--shutdown-after-requests", type=_int_in(1), default=None, help="exit after N answers (tests)")
     sv.add_argument("--shutdown-after-s", type=float, default=None, help="exit after S seconds (tests)")
     sv.add_argument(

@@ -36,11 +36,15 @@ from dinfer_rt.sampling import MAX_LOGPROBS, MAX_STOP, SamplingParams
 from dinfer_rt.strategies import preset_fields
 from dinfer_rt.tokenizer import refuse_mask_token
 
+MAX_MESSAGE_CHARS = 500  # an error message past this is cut (every check's own echo is shorter)
+
 
 class ApiError(Exception):
     """An error answered as OpenAI's error JSON with this HTTP status."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        if len(message) > MAX_MESSAGE_CHARS:  # a client's huge value echoed by a check: never megabytes back
+            message = f"{message[:MAX_MESSAGE_CHARS]}... ({len(message)} characters in all)"
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
@@ -105,6 +109,26 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "repetition_penalty": (1,),
     "min_tokens": (0,),
     "ignore_eos": (False,),
+    # vLLM's output and constraint extras: honoured by none of this server's decoders
+    "stop_token_ids": ([],),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "allowed_token_ids": ([],),
+    "bad_words": ([],),
+    "prompt_logprobs": (),
+    "truncate_prompt_tokens": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1,),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    # OpenAI chat outputs this text-only server cannot produce
+    "modalities": (["text"],),
+    "audio": (),
+    "web_search_options": (),
 }
 # Why a non-neutral value is refused, appended to the 400's message.
 _WHY_REFUSED = {
@@ -114,12 +138,17 @@ _WHY_REFUSED = {
     "function_call": "tool calling is not supported",
     "response_format": "only plain text output: structured (JSON) output is not supported",
     "echo": "'echo' is a /v1/completions field",
+    "modalities": "this server answers text only",
+    "audio": "this server answers text only",
+    "web_search_options": "web search is not supported",
 }
+for _name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+    _WHY_REFUSED[_name] = "constrained (guided) decoding is not supported"
 # Fields real clients send that change nothing here: accepted and ignored (listed so that the
 # misspelling rule below never takes one of them for a mistyped knob).
 IGNORED_FIELDS = frozenset(
-    "user metadata store service_tier parallel_tool_calls modalities audio prediction reasoning_effort "
-    "verbosity web_search_options prompt_cache_key safety_identifier".split()
+    "user metadata store service_tier parallel_tool_calls prediction reasoning_effort "
+    "verbosity prompt_cache_key safety_identifier".split()
 )
 OPENAI_FIELDS = frozenset(
     {"model", "max_tokens", "max_completion_tokens", "temperature", "seed", "stop", "stream", "stream_options"}
@@ -385,9 +414,11 @@ def refuse_misspelt_knobs(body: dict, allowed: set[str]) -> None:
     names for our fields (``FOREIGN_FIELDS``: ``block_size``, ``num_steps``, ``cache_policy``, ...)
     and a name close to a knob of this server's own (not an OpenAI field): ``treshold`` silently
     decoding with the default threshold is a worse answer than a 400 naming ``threshold``."""
-    knobs = sorted(allowed - OPENAI_FIELDS)
-    for name in sorted(set(body) - allowed):
-        if not isinstance(name, str):
+    knobs = set(allowed - OPENAI_FIELDS)
+    everything = sorted(allowed)
+    unknown = sorted(set(body) - allowed)
+    for name in unknown[:MAX_CHECKED_UNKNOWN]:  # a body of 100k junk keys costs no 100k difflib scans
+        if not isinstance(name, str) or len(name) > MAX_CHECKED_NAME:
             continue
         if name in FOREIGN_FIELDS:  # another stack's name for one of ours
             ours = FOREIGN_FIELDS[name]
@@ -397,17 +428,20 @@ def refuse_misspelt_knobs(body: dict, allowed: set[str]) -> None:
                 f"this server would ignore it and decode with its default '{ours}')",
                 name,
             )
-        close = difflib.get_close_matches(name, knobs, n=1, cutoff=MISSPELT_CUTOFF)
-        if close:
+        close = difflib.get_close_matches(name, everything, n=2, cutoff=MISSPELT_CUTOFF)
+        if any(c in knobs for c in close):  # every close name, best first: 'stops' is 'stop' or 'steps'
+            meant = " or ".join(f"'{c}'" for c in close)
             raise ApiError(
                 400,
-                f"unknown field {_shown(name)}: did you mean '{close[0]}'? (unknown fields are ignored, but this "
+                f"unknown field {_shown(name)}: did you mean {meant}? (unknown fields are ignored, but this "
                 "one looks like a misspelt diffusion knob)",
                 name[:SHOWN_CHARS],
             )
 
 
 MISSPELT_CUTOFF = 0.8  # difflib's similarity ratio from which an unknown field is taken for a knob
+MAX_CHECKED_UNKNOWN = 64  # unknown fields checked for a misspelling (the rest are ignored unchecked)
+MAX_CHECKED_NAME = 64  # longer unknown names are no misspelt knob
 
 
 def _stream_options(options: Any, stream: bool) -> tuple[bool, bool]:

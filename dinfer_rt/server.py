@@ -82,6 +82,7 @@ class ServeConfig:
     max_queue: int = 256
     max_model_len: int | None = None
     drain_timeout: float = 30.0
+    body_timeout: float = 30.0  # a request body that stops arriving for this long is a 408
     shutdown_after_requests: int | None = None  # exit once this many requests were answered (tests)
     shutdown_after_s: float | None = None  # exit after this many seconds (tests)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a bigger body is a 413 before it is parsed
@@ -99,6 +100,7 @@ class ServeConfig:
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
         _check_seconds("drain_timeout", self.drain_timeout, 0.0, MAX_DRAIN_S)
+        _check_seconds("body_timeout", self.body_timeout, 0.0, MAX_DRAIN_S, low_open=True)
         EngineArgs.build(**self.engine_args)  # an unknown or out-of-range engine setting, named
         if self.shutdown_after_s is not None:
             _check_seconds("shutdown_after_s", self.shutdown_after_s, 0.0, MAX_LIFETIME_S, low_open=True)
@@ -747,7 +749,14 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
         the client gets the answer) and parsed as JSON (on a worker thread past
         ``INLINE_BODY_BYTES``); returns it and its size in bytes."""
         limit = config.max_request_bytes
-        raw, size = await asgi.read_body(receive, limit, _DRAIN_BYTES)
+        try:
+            raw, size = await asgi.read_body(receive, limit, _DRAIN_BYTES, config.body_timeout)
+        except asgi.BodyStalled as e:
+            raise ApiError(
+                408, f"the request body stopped arriving: {e.size} bytes came, then nothing for "
+                f"{config.body_timeout:g} s (--body-timeout; does its Content-Length promise more than was sent?)",
+                None,
+            ) from None  # fmt: skip
         if size > limit:
             raise ApiError(
                 413, f"the request body is {size}{'+' if size > limit + _DRAIN_BYTES else ''} bytes; this server "
@@ -758,7 +767,8 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
         return await asyncio.to_thread(_json_body, raw), size
 
     async def send_error(send, e: ApiError) -> None:
-        await asgi.send_body(send, e.status, json.dumps(e.body()).encode())  # ASCII JSON, as error()
+        close = [(b"connection", b"close")] if e.status == 408 else []  # the rest of a stalled body never comes
+        await asgi.send_body(send, e.status, json.dumps(e.body()).encode(), headers=close)  # ASCII JSON, as error()
 
     async def complete(_scope, receive, send, chat: bool) -> None:
         """POST /v1/completions and /v1/chat/completions (a plain ASGI handler, ``asgi.py``)."""

@@ -12,6 +12,7 @@ every refused one is a 400 whose ``param`` and message name the field. Around it
 from __future__ import annotations
 
 import inspect
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,8 @@ LETTERS = "plmoknijbu"
 def server():
     """One server for the whole module (bounded: it exits by itself after 300 s)."""
     s = ServerProcess(
-        "--strategy", "threshold", "--block-length", "8", "--max-num-seqs", "8", "--max-queue", "16", cwd=ROOT,
+        "--strategy", "threshold", "--block-length", "8", "--max-num-seqs", "8", "--max-queue", "16",
+        "--body-timeout", "2", cwd=ROOT,
     )  # fmt: skip
     s.client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     yield s
@@ -209,6 +211,19 @@ REFUSED = [
     ("stop-not-strings", False, {"prompt": P1, "stop": [1]}, "stop", "non-empty string"),
     ("server-setting-cfg-scale", False, {"prompt": P1, "cfg_scale": 2.0}, "cfg_scale", "(--cfg-scale)"),
     ("server-setting-gen-length", True, {**_chat("ab"), "gen_length": 16}, "gen_length", "'max_tokens'"),
+    # vLLM extras and OpenAI outputs no decoder here honours (they were ignored; from a server probe)
+    ("vllm-stop-token-ids", False, {"prompt": P1, "stop_token_ids": [24]}, "stop_token_ids",
+     "not supported by this server (only None or [])"),
+    ("vllm-skip-special-tokens-off", False, {"prompt": P1, "skip_special_tokens": False}, "skip_special_tokens",
+     "not supported by this server"),
+    ("vllm-guided-regex", False, {"prompt": P1, "guided_regex": "a+"}, "guided_regex",
+     "constrained (guided) decoding is not supported"),
+    ("vllm-prompt-logprobs", False, {"prompt": P1, "prompt_logprobs": 1}, "prompt_logprobs", "(only None)"),
+    ("chat-audio-out", True, {**_chat("ab"), "modalities": ["text", "audio"]}, "modalities",
+     "this server answers text only"),
+    ("misspelt-stop", False, {"prompt": P1, "stops": ["r"]}, "stops", "did you mean 'stop' or 'steps'?"),
+    ("huge-value-message-capped", False, {"prompt": P1, "temperature": list(range(100000))}, "temperature",
+     "characters in all)"),
 ]  # fmt: skip
 
 
@@ -341,3 +356,25 @@ def test_a_batch_that_can_never_fit_is_a_400_that_submits_nothing(server):
     assert health["running"] == health["waiting"] == 0, health
     assert server.metric('dinfer_requests_total{finish_reason="abort"}') == aborted
     assert _create(server, False, {"prompt": P1}).choices[0].text
+
+
+def test_a_body_that_stops_arriving_is_a_408_and_the_server_goes_on(server):
+    """A Content-Length promising more than the client sends: without a bound the request hung
+    for good (a server probe held 50 such connections open). Here a 408 after --body-timeout
+    (2 s), the connection closed, and the next request answered."""
+    import socket
+
+    body = b'{"prompt": "abc", "max_tokens": 8}'
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(head + b"Content-Length: %d\r\n\r\n" % (len(body) + 10) + body)
+        answer = b""
+        while chunk := s.recv(65536):  # until the server closes: the 408 says so
+            answer += chunk
+    status, _, rest = answer.partition(b"\r\n")
+    assert status.startswith(b"HTTP/1.1 408"), answer
+    assert b"connection: close" in rest.lower(), answer
+    err = json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
+    assert f"{len(body)} bytes came, then nothing for 2 s (--body-timeout" in err["message"], err
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": P1, "max_tokens": 8}, timeout=60)
+    assert r.status_code == 200, r.text
