@@ -33,7 +33,7 @@ from typing import Any
 
 from dinfer_rt.errors import DinferError, TokenizerError
 from dinfer_rt.sampling import MAX_LOGPROBS, MAX_STOP, SamplingParams
-from dinfer_rt.strategies import preset_fields
+from dinfer_rt.strategies import preset_fields, unread
 from dinfer_rt.tokenizer import refuse_mask_token
 
 MAX_MESSAGE_CHARS = 500  # an error message past this is cut (every check's own echo is shorter)
@@ -392,11 +392,26 @@ def parse(
     steps = params.steps
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ApiError(400, f"'steps' must be an integer >= 1, got {steps!r}", "steps")
+    asked = any(body.get(k) is not None for k in ("max_tokens", "max_completion_tokens"))
+    length = f"'max_tokens' {max_tokens}" if asked else f"the default answer length {max_tokens}"
+    answer = f"the answer's {gen} positions ({length} in whole blocks of {block})"
+    if steps is not None and steps > gen:
+        raise ApiError(400, f"'steps' {steps} must be <= {answer}: every step commits a token", "steps")
+    if steps is not None and steps % (gen // block):
+        raise ApiError(400, f"'steps' {steps} must be a multiple of the {gen // block} blocks of {answer}", "steps")
     params = dataclasses.replace(params, gen_length=gen)
     try:
         params.validate()
     except DinferError as e:
         raise ApiError(400, str(e), _field_named(str(e))) from None
+    given = [name for name in DIFFUSION_FIELDS if body.get(name) is not None]
+    for name, setting, values in unread(params, given):  # a knob this request's rule / cache never reads
+        source = "this request's" if setting in fields else "the server's default"
+        needs = f"'{setting}' {' / '.join(values)}" if values is not None else f"a '{setting}'"
+        raise ApiError(
+            400, f"'{name}' applies to {needs} (this request: {getattr(params, setting)!r}, {source}); set "
+            f"'{setting}' or drop '{name}'", name,
+        )  # fmt: skip
     shown = None
     if echo:  # a text prompt is echoed as sent; token ids as their text, special tokens included
         shown = [

@@ -222,6 +222,12 @@ REFUSED = [
     ("chat-audio-out", True, {**_chat("ab"), "modalities": ["text", "audio"]}, "modalities",
      "this server answers text only"),
     ("misspelt-stop", False, {"prompt": P1, "stops": ["r"]}, "stops", "did you mean 'stop' or 'steps'?"),
+    ("knob-unread-by-the-rule", False, {"prompt": P1, "edit_threshold": 0.5}, "edit_threshold",
+     "applies to 'strategy' joint_threshold (this request: 'threshold', the server's default)"),
+    ("knob-unread-by-the-cache", False, {"prompt": P1, "cache": "none", "vicinity_before": 2}, "vicinity_before",
+     "applies to 'cache' vicinity (this request: 'none', this request's)"),
+    ("steps-past-the-answer", False, {"prompt": P1, "max_tokens": 32, "steps": 41}, "steps",
+     "must be <= the answer's 32 positions ('max_tokens' 32 in whole blocks of 8)"),
     ("huge-value-message-capped", False, {"prompt": P1, "temperature": list(range(100000))}, "temperature",
      "characters in all)"),
 ]  # fmt: skip
