@@ -97,9 +97,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_hub_args(p: argparse.ArgumentParser, template: bool = True) -> None:
     p.add_argument("--revision", default=None, help="hub ids: branch, tag or commit (default: main)")
-    p.add_argument(
-        "--download-dir", type=Path, default=None, help="hub ids: cache folder (default: the hub library's cache)"
-    )
+    p.add_argument("--download-dir", default=None, help="hub ids: cache folder (default: the hub library's cache)")
     if template:
         p.add_argument(
             "--chat-template-name",
@@ -1104,7 +1102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # string flags that are paths: any bytes a file name may hold are fine there (surrogateescape round-trips)
-_PATH_ARGS = ("model", "json", "markdown")
+_PATH_ARGS = ("model", "json", "markdown", "download_dir")
 
 
 def _not_utf8(text: str) -> str | None:
@@ -1126,6 +1124,7 @@ def _not_utf8(text: str) -> str | None:
 _NOT_EMPTY = (
     ("model", "a model folder or a hub id ORG/NAME", f"${envs.DINFER_MODEL} or the embedded model"),
     ("backend", "a backend name[:flavour[:arch]] (dinfer-rt backends lists them)", f"${envs.DINFER_BACKEND} or auto"),
+    ("download_dir", "a cache folder", "the hub library's cache"),
 )
 
 
@@ -1144,8 +1143,8 @@ def _check_args(a: argparse.Namespace) -> None:
     for name, what, otherwise in _NOT_EMPTY:
         v = getattr(a, name, None)
         if isinstance(v, str) and not v.strip() and not os.path.exists(v):  # '' would read as '.' / as auto
-            empty = "is empty" if v == "" else "is only whitespace"
-            raise DinferError(f"--{name} {v!r} {empty}; give {what}, or leave --{name} out for {otherwise}")
+            empty, flag = "is empty" if v == "" else "is only whitespace", _flag(name)
+            raise DinferError(f"{flag} {v!r} {empty}; give {what}, or leave {flag} out for {otherwise}")
     if hasattr(a, "gen_length"):
         _sampling(a)
     if a.command == "eval":

@@ -78,6 +78,8 @@ def resolve_model(
                 "drop --revision, or check out that revision into the folder"
             )
         return path
+    if download_dir is not None and not str(download_dir).strip():
+        raise ConfigError(f"--download-dir {str(download_dir)!r} is empty: name a folder, or leave it out")
     if revision is not None and not revision.strip():
         raise ConfigError(f"--revision {revision!r} is empty: name a branch, tag or commit, or leave it out")
     _check_offline_env()

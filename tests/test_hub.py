@@ -548,3 +548,12 @@ def test_hf_hub_offline_must_be_a_boolean(hf_home):
     assert "HF_HUB_OFFLINE='maybe' is not a boolean; use 1 (offline) or 0 (online)" in line, line
     ok = run_cli([*ARGS, "--model", REPO], {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "True"})
     assert ok.returncode == 0, ok.stderr  # a spelling huggingface_hub takes is fine
+
+
+def test_an_empty_download_dir_is_refused(hf_home, monkeypatch):
+    """``--download-dir ''`` made the current folder the hub cache without a word."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    line = _main_error_line([*ARGS, "--model", REPO, "--download-dir", ""])
+    assert "--download-dir '' is empty; give a cache folder" in line, line
