@@ -1255,7 +1255,9 @@ def run_batch(
     n = min(max(len(p) for p in prompts) + params.gen_length, model.spec.max_length)
     tp = getattr(model, "tensor_parallel", None)
     kv_heads = None if tp is None else tp.kv_heads(model.spec)
-    check_batch_fits(model.spec, model.dtype, model.backend.device(), len(prompts), n + 1, kv_heads)
+    pool = getattr(model, "cache_pool", None)  # idle caches kept for reuse count as room
+    held = pool.idle_bytes() if pool is not None else 0
+    check_batch_fits(model.spec, model.dtype, model.backend.device(), len(prompts), n + 1, kv_heads, held)
     block = params.block_length if model.spec.block_causal else None
     args = EngineArgs.build(
         args, max_num_seqs=len(prompts), max_num_batched_tokens=2**62, max_model_len=n, prefix_cache_bytes=0,

@@ -57,13 +57,17 @@ def available_memory(device) -> int | None:
     return None
 
 
-def check_batch_fits(spec, dtype: torch.dtype, device, rows: int, positions: int, kv_heads: int | None = None) -> None:
-    """A static batch's KV cache (``rows`` x ``positions``) must fit the free memory: refused
-    naming the bytes and what to lower, not left to the allocator's traceback (or to a swap
-    storm). Unknown free memory (some devices): not checked."""
+def check_batch_fits(
+    spec, dtype: torch.dtype, device, rows: int, positions: int, kv_heads: int | None = None, held: int = 0
+) -> None:
+    """A static batch's KV cache (``rows`` x ``positions``) must fit the free memory plus ``held``
+    (idle caches kept for reuse, which a new batch may take or free): refused naming the bytes and
+    what to lower, not left to the allocator's traceback (or to a swap storm). Unknown free
+    memory (some devices): not checked."""
     need = rows * kv_row_bytes(spec, dtype, positions, kv_heads)
     free = available_memory(device)
-    if free is not None and need > free:
+    if free is not None and need > free + held:
+        free += held
         raise GenerationError(
             f"the KV cache for {rows} row(s) x {positions} positions needs {format_bytes(need)} ({need} bytes), "
             f"more than the {format_bytes(free)} free on {device}: lower the batch (batch_size), gen_length "

@@ -149,6 +149,11 @@ class CachePool:
             t.zero_()
         return cache
 
+    def idle_bytes(self) -> int:
+        """Bytes of the idle caches held for reuse (memory a new batch may count as its own)."""
+        with self.lock:
+            return sum(t.numel() * t.element_size() for c in self.idle for t in (*c.k, *c.v))
+
     def release(self, cache: KVCache) -> None:
         with self.lock:
             self.idle.append(cache)
