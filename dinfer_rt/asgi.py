@@ -39,20 +39,18 @@ async def read_body(receive: Receive, limit: int, drain: int, stall_s: float | N
     """The request body and its size in bytes. Past ``limit`` the body is not kept (``b""``) but
     read on, so that the client is still there to get the answer, up to ``drain`` bytes more
     (then reading stops and the reported size is ``limit + drain`` or more). A body whose next
-    part does not come within ``stall_s`` seconds raises :class:`BodyStalled` (the first part is
-    awaited as it is: a whole body in one part, the usual case, costs no timer)."""
+    part (the first one too: headers, then nothing) does not come within ``stall_s`` seconds
+    raises :class:`BodyStalled`."""
     parts: list[bytes] = []
     size = 0
-    first = True
     while True:
-        if first or stall_s is None:
+        if stall_s is None:
             message = await receive()
         else:
             try:
                 message = await asyncio.wait_for(receive(), stall_s)
             except asyncio.TimeoutError:
                 raise BodyStalled(size) from None
-        first = False
         if message["type"] == "http.disconnect":
             raise ClientGone
         part = message.get("body", b"")

@@ -300,7 +300,7 @@ def _check_offline_env() -> None:
     """``HF_HUB_OFFLINE`` must read as a boolean: huggingface_hub takes anything but 1 / ON / YES /
     TRUE as "online", so a typo would silently reach for the network."""
     raw = os.environ.get("HF_HUB_OFFLINE")
-    if raw is not None and raw.strip().lower() not in _BOOLEAN_WORDS:
+    if raw is not None and raw.lower() not in _BOOLEAN_WORDS:  # " 1" too: huggingface_hub strips nothing
         shown = raw if len(raw) <= 40 else raw[:40] + "..."
         raise ConfigError(f"HF_HUB_OFFLINE={shown!r} is not a boolean; use 1 (offline) or 0 (online)")
 

@@ -66,6 +66,8 @@ def check_batch_fits(
     memory (some devices): not checked."""
     need = rows * kv_row_bytes(spec, dtype, positions, kv_heads)
     free = available_memory(device)
+    if free is not None and device.type == "cuda":  # what torch's allocator holds unused is room too
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     if free is not None and need > free + held:
         free += held
         raise GenerationError(

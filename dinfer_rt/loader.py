@@ -49,9 +49,10 @@ def check_folder_files(folder: Path) -> Path:
 
 
 def check_special_tokens(model_dir: Path, spec, tok: Tokenizer) -> None:
-    """config.json's mask, pad and BOS ids must be the tokens tokenizer_config.json names: the
+    """config.json's mask and pad ids must be the tokens tokenizer_config.json names: the
     scheduler writes the mask id into every undecided slot and the pad id into padding, so a
-    contradiction would silently decode nonsense. (EOS may legitimately differ: instruct models
+    contradiction would silently decode nonsense (its BOS id may differ: Dream-7B's does, and
+    only the tokenizer's BOS is ever rendered or scored). (EOS may legitimately differ: instruct models
     name the end-of-turn token there, and every such id ends a generation.) A BOS or EOS token
     tokenizer_config.json names must be in tokenizer.json: a chat template renders it as text,
     which would otherwise be split into plain characters. (Its mask token may be missing when
@@ -67,10 +68,9 @@ def check_special_tokens(model_dir: Path, spec, tok: Tokenizer) -> None:
             f"{cfg}: field 'mask_token' = {mask!r} is not a token of {model_dir / 'tokenizer.json'}, and "
             f"{model_dir / 'config.json'} has no 'mask_token_id': the model has no mask id"
         )
-    for field, key, ours in (
-        ("mask_token_id", "mask_token", spec.mask_id),
+    for field, key, ours in (  # not BOS: Dream-7B's config says 151643, its tokenizer <|beginoftext|> 151665,
+        ("mask_token_id", "mask_token", spec.mask_id),  # and nothing here reads config.json's BOS id
         ("pad_token_id", "pad_token", spec.pad_id),
-        ("bos_token_id", "bos_token", spec.bos_id),
     ):
         named = tok.special_id(key)
         if ours is not None and named is not None and named != ours:

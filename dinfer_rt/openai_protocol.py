@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from dinfer_rt.errors import DinferError, TokenizerError
-from dinfer_rt.sampling import MAX_LOGPROBS, MAX_STOP, SamplingParams
+from dinfer_rt.sampling import CACHES, MAX_LOGPROBS, MAX_STOP, STRATEGIES, SamplingParams
 from dinfer_rt.strategies import preset_fields, unread
 from dinfer_rt.tokenizer import refuse_mask_token
 
-MAX_MESSAGE_CHARS = 500  # an error message past this is cut (every check's own echo is shorter)
+MAX_MESSAGE_CHARS = 2000  # an error message past this is cut: a client's value echoed whole, never MBs
 
 
 class ApiError(Exception):
@@ -347,7 +347,8 @@ def parse(
     if body.get("temperature") is not None:
         t = body["temperature"]
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0 or t > 2:
-            raise ApiError(400, f"'temperature' must be a number in [0, 2], got {t!r}", "temperature")
+            why = f"'temperature' must be a number in [0, 2], got {_type_name(t)} {_shown(t)}"
+            raise ApiError(400, why, "temperature")
         fields["temperature"] = float(t)
     seed = _int(body, "seed", 0, 2**63 - 1)
     if seed is not None:
@@ -392,19 +393,8 @@ def parse(
     steps = params.steps
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ApiError(400, f"'steps' must be an integer >= 1, got {steps!r}", "steps")
-    asked = any(body.get(k) is not None for k in ("max_tokens", "max_completion_tokens"))
-    length = f"'max_tokens' {max_tokens}" if asked else f"the default answer length {max_tokens}"
-    answer = f"the answer's {gen} positions ({length} in whole blocks of {block})"
-    if steps is not None and steps > gen:
-        raise ApiError(400, f"'steps' {steps} must be <= {answer}: every step commits a token", "steps")
-    if steps is not None and steps % (gen // block):
-        raise ApiError(400, f"'steps' {steps} must be a multiple of the {gen // block} blocks of {answer}", "steps")
-    params = dataclasses.replace(params, gen_length=gen)
-    try:
-        params.validate()
-    except DinferError as e:
-        raise ApiError(400, str(e), _field_named(str(e))) from None
-    given = [name for name in DIFFUSION_FIELDS if body.get(name) is not None]
+    named = params.strategy in STRATEGIES and params.cache in CACHES  # else validate() names the bad one
+    given = [name for name in DIFFUSION_FIELDS if body.get(name) is not None] if named else []
     for name, setting, values in unread(params, given):  # a knob this request's rule / cache never reads
         source = "this request's" if setting in fields else "the server's default"
         needs = f"'{setting}' {' / '.join(values)}" if values is not None else f"a '{setting}'"
@@ -412,6 +402,19 @@ def parse(
             400, f"'{name}' applies to {needs} (this request: {getattr(params, setting)!r}, {source}); set "
             f"'{setting}' or drop '{name}'", name,
         )  # fmt: skip
+    asked = any(body.get(k) is not None for k in ("max_tokens", "max_completion_tokens"))
+    length = f"'max_tokens' {max_tokens}" if asked else f"the default answer length {max_tokens}"
+    answer = f"the answer's {gen} positions ({length} in whole blocks of {block})"
+    mine = "'steps'" if body.get("steps") is not None else "the server's steps (--steps)"
+    if steps is not None and steps > gen:
+        raise ApiError(400, f"{mine} {steps} must be <= {answer}: every step commits a token", "steps")
+    if steps is not None and steps % (gen // block):
+        raise ApiError(400, f"{mine} {steps} must be a multiple of the {gen // block} blocks of {answer}", "steps")
+    params = dataclasses.replace(params, gen_length=gen)
+    try:
+        params.validate()
+    except DinferError as e:
+        raise ApiError(400, str(e), _field_named(str(e))) from None
     shown = None
     if echo:  # a text prompt is echoed as sent; token ids as their text, special tokens included
         shown = [

@@ -543,9 +543,10 @@ def test_an_empty_revision_is_refused(hf_home, monkeypatch):
 
 def test_hf_hub_offline_must_be_a_boolean(hf_home):
     """huggingface_hub reads any value but 1/ON/YES/TRUE as online: a typo is named instead."""
-    env = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "maybe"}
-    line = _one_error_line(run_cli([*ARGS, "--model", "acme/nothing"], env))
-    assert "HF_HUB_OFFLINE='maybe' is not a boolean; use 1 (offline) or 0 (online)" in line, line
+    for value in ("maybe", " 1"):  # " 1": huggingface_hub strips nothing, so it would read online
+        env = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": value}
+        line = _one_error_line(run_cli([*ARGS, "--model", "acme/nothing"], env))
+        assert f"HF_HUB_OFFLINE={value!r} is not a boolean; use 1 (offline) or 0 (online)" in line, line
     ok = run_cli([*ARGS, "--model", REPO], {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "True"})
     assert ok.returncode == 0, ok.stderr  # a spelling huggingface_hub takes is fine
 

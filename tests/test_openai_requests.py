@@ -226,10 +226,13 @@ REFUSED = [
      "applies to 'strategy' joint_threshold (this request: 'threshold', the server's default)"),
     ("knob-unread-by-the-cache", False, {"prompt": P1, "cache": "none", "vicinity_before": 2}, "vicinity_before",
      "applies to 'cache' vicinity (this request: 'none', this request's)"),
-    ("steps-past-the-answer", False, {"prompt": P1, "max_tokens": 32, "steps": 41}, "steps",
+    ("credit-knob-unread", False, {"prompt": P1, "credit_alpha": 0.5}, "credit_alpha",
+     "applies to 'strategy' credit (this request: 'threshold', the server's default)"),
+    ("steps-past-the-answer", False, {"prompt": P1, "max_tokens": 32, "steps": 41, "strategy": "low_confidence"},
+     "steps",
      "must be <= the answer's 32 positions ('max_tokens' 32 in whole blocks of 8)"),
-    ("huge-value-message-capped", False, {"prompt": P1, "temperature": list(range(100000))}, "temperature",
-     "characters in all)"),
+    ("huge-value-echo-capped", False, {"prompt": P1, "temperature": list(range(100000))}, "temperature",
+     "'temperature' must be a number in [0, 2], got list [0, 1, 2,"),
 ]  # fmt: skip
 
 
@@ -371,16 +374,28 @@ def test_a_body_that_stops_arriving_is_a_408_and_the_server_goes_on(server):
     import socket
 
     body = b'{"prompt": "abc", "max_tokens": 8}'
-    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
-        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        s.sendall(head + b"Content-Length: %d\r\n\r\n" % (len(body) + 10) + body)
-        answer = b""
-        while chunk := s.recv(65536):  # until the server closes: the 408 says so
-            answer += chunk
-    status, _, rest = answer.partition(b"\r\n")
-    assert status.startswith(b"HTTP/1.1 408"), answer
-    assert b"connection: close" in rest.lower(), answer
-    err = json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
-    assert f"{len(body)} bytes came, then nothing for 2 s (--body-timeout" in err["message"], err
+    for sent in (body, b""):  # part of the body; headers and nothing
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            s.sendall(head + b"Content-Length: %d\r\n\r\n" % (len(body) + 10) + sent)
+            answer = b""
+            while chunk := s.recv(65536):  # until the server closes: the 408 says so
+                answer += chunk
+        status, _, rest = answer.partition(b"\r\n")
+        assert status.startswith(b"HTTP/1.1 408"), answer
+        assert b"connection: close" in rest.lower(), answer
+        err = json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
+        assert f"{len(sent)} bytes came, then nothing for 2 s (--body-timeout" in err["message"], err
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": P1, "max_tokens": 8}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+def test_an_error_message_is_never_megabytes():
+    """Every check echoes at most ``SHOWN_CHARS`` of a client's value; as a backstop for one that
+    does not (a 100k-entry list came back as a 3 MB message), ``ApiError`` cuts its message."""
+    from dinfer_rt.openai_protocol import MAX_MESSAGE_CHARS, ApiError
+
+    e = ApiError(400, "x" * 100_000, "strategy")
+    assert e.message == "x" * MAX_MESSAGE_CHARS + "... (100000 characters in all)"
+    assert e.body()["error"]["message"] == e.message
+    assert ApiError(400, "short").message == "short"

@@ -200,3 +200,20 @@ def test_generation_config_eos_of_the_wrong_type(tmp_path, value, message):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": value}))
     with pytest.raises(TokenizerError, match=f"generation_config.json: field 'eos_token_id' {message}"):
         generation_eos_ids(tmp_path)
+
+
+def test_a_config_bos_id_unlike_the_tokenizers_loads(tmp_path):
+    """Dream-7B's config.json says bos_token_id 151643 (<|endoftext|>) while its tokenizer's
+    bos_token is <|beginoftext|> 151665 (``Dream-v0-Instruct-7B.tokens.json``, notes): harmless,
+    since only the tokenizer's BOS is rendered or scored, so it loads (it was refused as a
+    contradiction). The same shape on a test checkpoint: config BOS 1, tokenizer BOS id 2."""
+    import json
+
+    import dinfer_rt
+    from dinfer_rt.testing import checkpoints
+
+    path = checkpoints.llada(tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "bos_token_id": 1}))
+    model = dinfer_rt.load_model(path, backend="cpu")
+    assert model.tokenizer.special_id("bos_token") == 2
