@@ -202,6 +202,11 @@ def _shown(v: Any) -> str:
     return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
 
 
+def _only_ids(value: Any, ids: frozenset[int]) -> bool:
+    """Whether ``value`` is a non-empty list of ints, each one of ``ids``."""
+    return isinstance(value, list) and bool(value) and all(type(v) is int and v in ids for v in value)
+
+
 def _neutral(value: Any, accepted: tuple[Any, ...]) -> bool:
     """Whether ``value`` is null or one of ``accepted`` (a bool matches only a bool: ``true`` is no ``1``)."""
     if value is None:
@@ -261,6 +266,7 @@ def parse(
     mask_id: int | None = None,
     kv_bytes_per_position: int | None = None,
     batch_limit: tuple[int, str] | None = None,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> Submission:
     """Validate an OpenAI completions / chat-completions body (``chat``) against the served model.
 
@@ -270,7 +276,9 @@ def parse(
     ``kv_bytes_per_position``: one position's K/V over the layers (and ranks), so a request too long
     for the KV pool's rows is also told the memory it would need. ``batch_limit``: (the most
     requests the server holds at once, why): a completions batch of more prompts can never be
-    admitted, and is refused naming ``prompt`` before any prompt is tokenised."""
+    admitted, and is refused naming ``prompt`` before any prompt is tokenised. ``stop_ids``: the
+    ids that already end a generation (EOS, end of turn): a vLLM ``stop_token_ids`` of only those
+    asks for nothing new and is accepted."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_type_name(body)}")
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
@@ -292,6 +300,8 @@ def parse(
     refuse_misspelt_knobs(body, allowed)
     neutral_values = {**_NEUTRAL, "echo": (False,)} if chat else _NEUTRAL
     for name, neutral in neutral_values.items():
+        if name == "stop_token_ids" and _only_ids(body.get(name), stop_ids):
+            continue  # the model's own stop ids: what the engine stops on anyway
         if name in body and not _neutral(body[name], neutral):
             only = " or ".join(repr(v) for v in (None, *neutral))
             why = f": {_WHY_REFUSED[name]}" if name in _WHY_REFUSED else ""

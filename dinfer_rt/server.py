@@ -643,6 +643,7 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
     per_token = chars_per_token(tok)
     mask_id = getattr(model, "mask_id", None)  # refused in prompts unless a request sets allow_mask_in_prompt
     eos = set(model.eos_ids)
+    stop_ids = frozenset(eos)  # a request's stop_token_ids of these asks for nothing new
     answered = {"n": 0}
     state = {"server": None, "shutdown": None}  # serve(): its uvicorn server, and how a shutdown starts
     started = int(time.time())  # /v1/models' ``created``
@@ -778,6 +779,7 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
                 parse, body, chat=chat, tokenizer=tok, defaults=defaults, model_name=config.model_name,
                 max_len=engine.max_model_len, chars_per_token=per_token, mask_id=mask_id,
                 kv_bytes_per_position=getattr(engine, "kv_bytes_per_position", None), batch_limit=capacity(),
+                stop_ids=stop_ids,
             )  # fmt: skip
             # tokenising a long prompt must not hold up the event loop: a worker thread does it; a
             # small body (a short prompt) is validated here, where it costs less than the hop there

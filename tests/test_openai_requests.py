@@ -120,6 +120,8 @@ def accepted(offline: LLM) -> list[Same]:
               "stream_options": {"include_usage": False}}, chat),
         Same("vllm-extras-neutral", False, {"prompt": P1, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0},
              plain),
+        Same("vllm-stop-token-ids-of-the-model", False,
+             {"prompt": P1, "stop_token_ids": sorted(offline.model.eos_ids)}, plain),
         Same("echo-off", False, {"prompt": P1, "echo": False}, plain),
         Same("echo-text", False, {"prompt": P1, "echo": True}, plain, echo=[P1]),
         Same("echo-token-id-batch", False, {"prompt": [ids1, ids2], "echo": True, "max_tokens": 8},
