@@ -51,9 +51,9 @@ def check_folder_files(folder: Path) -> Path:
 def check_special_tokens(model_dir: Path, spec, tok: Tokenizer) -> None:
     """config.json's mask and pad ids must be the tokens tokenizer_config.json names: the
     scheduler writes the mask id into every undecided slot and the pad id into padding, so a
-    contradiction would silently decode nonsense (its BOS id may differ: Dream-7B's does, and
-    only the tokenizer's BOS is ever rendered or scored). (EOS may legitimately differ: instruct models
-    name the end-of-turn token there, and every such id ends a generation.) A BOS or EOS token
+    contradiction would silently decode nonsense. Its BOS and EOS ids may differ: Dream-7B's BOS
+    does, and only the tokenizer's BOS is ever rendered or scored; instruct models name the
+    end-of-turn token as EOS, and every such id ends a generation. A BOS or EOS token
     tokenizer_config.json names must be in tokenizer.json: a chat template renders it as text,
     which would otherwise be split into plain characters. (Its mask token may be missing when
     config.json gives the id: SDAR's files spell it differently.)"""
