@@ -648,6 +648,9 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
     state = {"server": None, "shutdown": None}  # serve(): its uvicorn server, and how a shutdown starts
     started = int(time.time())  # /v1/models' ``created``
     held: list[Request] = []  # the requests submitted here and maybe in flight (pruned at each submit)
+    # of those, the ones this front cancelled (their client went away): their rows free at the engine's
+    # next step, their room in the server now, so a client that reconnects at once is not a 429
+    cancelled: set[str] = set()
     app_drain = DrainReport(engine, held)
 
     @contextlib.asynccontextmanager
@@ -693,9 +696,10 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
         for ids in sub.prompts:  # every prompt before any is queued
             engine.check_request(ids, sub.params, sub.max_tokens)
         limit, why = capacity()
-        if len(held) + len(sub.prompts) > limit:
+        flight = sum(1 for r in held if r.id not in cancelled)
+        if flight + len(sub.prompts) > limit:
             batch = f" for a batch of {len(sub.prompts)}" if len(sub.prompts) > 1 else ""
-            raise QueueFull(f"the server is full{batch}: {len(held)} requests in flight, at most {limit} ({why})")
+            raise QueueFull(f"the server is full{batch}: {flight} requests in flight, at most {limit} ({why})")
         reqs: list[Request] = []
         try:
             for ids, listener in zip(sub.prompts, listeners):
@@ -715,6 +719,7 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
         if sub.priority:
             options["priority"] = sub.priority
         held[:] = [r for r in held if not r.done]
+        cancelled.intersection_update(r.id for r in held)
         try:
             if isinstance(engine, Engine):
                 reqs = admit(sub, options, listeners)
@@ -735,6 +740,14 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
         app_drain.submitted(reqs)
         loop_holder.wake.set()
         return reqs
+
+    def cancel(reqs: list[Request]) -> None:
+        """Give up on the requests not yet done (their client went away, or their answer failed)."""
+        for req in reqs:
+            if not req.done:
+                cancelled.add(req.id)
+                engine.abort(req.id)
+        loop_holder.wake.set()
 
     def failure(req: Request) -> ApiError:
         if req.finish_reason == "abort":
@@ -809,10 +822,7 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
             while running:
                 event = await queue.get()
                 if event is GONE:
-                    for req in reqs:
-                        engine.abort(req.id)
-                    loop_holder.wake.set()
-                    return
+                    return cancel(reqs)
                 running -= event[1] == "finish"
         finally:
             count_answered()
@@ -899,10 +909,7 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
             out.append("data: [DONE]\n\n")
             await send({"type": "http.response.body", "body": "".join(out).encode()})
         finally:  # a client that went away, or a failure: free the rows still running
-            for req in reqs:
-                if not req.done:
-                    engine.abort(req.id)
-            loop_holder.wake.set()
+            cancel(reqs)
             count_answered()
 
     def error_body(status: int, message: str) -> bytes:  # the fast paths' 405 / 500 (asgi.py)

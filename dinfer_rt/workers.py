@@ -406,6 +406,9 @@ class ReplicaPool:
         self.replicas = replicas
         self.inflight: dict[str, tuple[Request, int]] = {}
         self.load = [0] * replicas  # requests in flight per replica
+        # aborted requests whose room was handed back at once (their rows free at their engine's next
+        # step): a client that goes away and reconnects is not refused for its own cancelled request
+        self._released: set[str] = set()
         self.served = [0] * replicas  # requests routed to each replica so far
         self.alive = [True] * replicas
         self.deaths: list[str] = []
@@ -542,6 +545,9 @@ class ReplicaPool:
     def abort(self, request_id: str) -> None:
         with self._lock:
             entry = self.inflight.get(request_id)
+            if entry is not None and request_id not in self._released:
+                self._released.add(request_id)
+                self.load[entry[1]] -= 1
         if entry is not None:
             self.inboxes[entry[1]].put(("abort", request_id))
 
@@ -674,7 +680,10 @@ class ReplicaPool:
         req.finish_reason, req.error, req.status, req.finished = reason, error, "finished", time.perf_counter()
         with self._lock:
             self.inflight.pop(req.id, None)
-            self.load[index] -= 1
+            if req.id in self._released:
+                self._released.discard(req.id)
+            else:
+                self.load[index] -= 1
         finished.append(req)
         notify(req, "finish")
 

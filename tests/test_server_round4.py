@@ -23,6 +23,7 @@ through ASGI, no socket); the ``--engine-process`` cases against one real server
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import warnings
 from pathlib import Path
@@ -131,6 +132,74 @@ def test_a_batch_is_admitted_whole_against_rows_plus_queue_and_a_refusal_queues_
             loop.thread.join(timeout=10)
     assert _sample(metrics, ABORT) == 0, metrics
     assert sum(_sample(metrics, f'dinfer_requests_total{{finish_reason="{r}"}}') for r in REASONS) == 8, metrics
+
+
+def test_a_client_that_goes_away_hands_its_room_back_before_the_engine_steps(model):
+    """A full server (1 row, no queue) whose only request's client hangs up: the front cancels it
+    and a request sent at once is admitted, though the engine (not stepped) still holds the
+    cancelled row until its next step; once stepped, the new request is answered and the
+    cancelled one counted as an abort. (Before, the room came back only at that step: a 429.)"""
+    app = build_app(model, _defaults(model), ServeConfig(max_num_seqs=1, max_queue=0), engine_thread=False)
+    engine, loop = app.state.engine, app.state.loop
+    body = {"prompt": P, "max_tokens": 8}
+
+    async def until(cond) -> None:
+        for _ in range(500):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
+    async def leaving(gone: asyncio.Event, sent: list) -> None:  # a client that hangs up when told
+        parts = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+        async def receive():
+            if parts:
+                return parts.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        headers = [(b"host", b"dinfer"), (b"content-type", b"application/json")]
+        path = "/v1/completions"
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+                 "headers": headers, "client": ("127.0.0.1", 1), "server": ("dinfer", 80)}  # fmt: skip
+        await app(scope, receive, send)
+
+    async def scenario():
+        async with _client(app) as c:
+            gone, sent = asyncio.Event(), []
+            first = asyncio.create_task(leaving(gone, sent))
+            await until(lambda: engine.num_waiting == 1)
+            full = await c.post("/v1/completions", json=body)
+            assert full.status_code == 429, full.text
+            gone.set()
+            await asyncio.wait_for(first, 10)
+            assert sent == []  # nobody to answer
+            second = asyncio.create_task(c.post("/v1/completions", json=body))
+            await until(lambda: engine.num_waiting == 2)  # admitted beside the cancelled one, not a 429
+            assert engine.stats.steps == 0
+            loop.start_thread()
+            answer = await asyncio.wait_for(second, 60)
+            assert answer.status_code == 200 and answer.json()["choices"][0]["text"], answer.text
+            for _ in range(100):
+                text = (await c.get("/metrics")).text
+                if _sample(text, ABORT) == 1:
+                    return text
+                await asyncio.sleep(0.02)
+            return text
+
+    try:
+        metrics = asyncio.run(scenario())
+    finally:
+        loop.stopped.set()
+        loop.wake.set()
+        if loop.thread is not None:
+            loop.thread.join(timeout=10)
+    assert _sample(metrics, ABORT) == 1, metrics
 
 
 @pytest.fixture(scope="module")

@@ -132,6 +132,28 @@ def test_the_replica_front_routes_a_batch_whole_or_not_at_all(replicas):
     assert all(r.error is None for r in reqs) and replicas.load == [0, 0]
 
 
+def test_an_aborted_request_hands_its_replicas_room_back_at_once_and_only_once(replicas):
+    """A client that goes away: ``ReplicaPool.abort`` gives its room back before the replica's
+    engine drops the row (its next step), so a full front admits the next request at once; the
+    abort's finish, when it comes, does not give the room back a second time."""
+    assert replicas.load == [0, 0]
+    reqs = [replicas.submit([7 + i, 8, 9], PARAMS) for i in range(4)]  # not stepped: the front is full
+    with pytest.raises(QueueFull):
+        replicas.submit([7, 8, 9], PARAMS)
+    gone = reqs[0]
+    replicas.abort(gone.id)
+    replicas.abort(gone.id)  # a second abort (both of an answer's paths may ask) changes nothing
+    assert sum(replicas.load) == 3 and not gone.done
+    late = replicas.submit([11, 8, 9], PARAMS)  # admitted beside the cancelled row, not a QueueFull
+    with pytest.raises(QueueFull):
+        replicas.submit([7, 8, 9], PARAMS)
+    while not all(r.done for r in reqs + [late]):
+        replicas.step()
+    assert gone.finish_reason == "abort"
+    assert all(r.error is None and r.finish_reason != "abort" for r in reqs[1:] + [late])
+    assert replicas.load == [0, 0] and not replicas.inflight
+
+
 def test_served_replicas_answer_a_batch_past_their_kv_rows_with_a_400_naming_them():
     """``serve --data-parallel-size 2 --kv-cache-memory`` (one row each) ``--max-queue 1``: a
     completions batch of 4 prompts fits (2 x (1 row + 1 queued)), one of 5 can never fit: a 400
