@@ -717,13 +717,13 @@ def bench_prompts(llm, n: int, params, source: tuple) -> list[list[int]]:
     import torch
 
     from dinfer_rt.demo import task
-    from dinfer_rt.evaluation import read_items
+    from dinfer_rt.evaluation import encode_items, read_items
     from dinfer_rt.loader import default_model_path
 
     data, prompt_len = source
     if data is not None:
-        items = read_items(data, "prompt", "prompt", limit=n)
-        return [llm.encode(items[i % len(items)].prompt, params.chat) for i in range(n)]
+        ids = encode_items(llm, read_items(data, "prompt", "prompt", limit=n), data, params.chat)
+        return [ids[i % len(ids)] for i in range(n)]
     if prompt_len is not None:
         g = torch.Generator().manual_seed(0)
         vocab, mask = llm.model.spec.vocab, llm.model.mask_id
@@ -770,6 +770,11 @@ def _check_names(flag: str, text: str) -> None:
         )
     if "" in items:
         raise DinferError(f"validate {flag} {envs.shown(text)}: item {items.index('') + 1} is empty")
+    if flag == "--backends" and "all" in items and len(items) > 1:
+        raise DinferError(f"validate {flag} {envs.shown(text)}: 'all' (every available backend) stands alone")
+    twice = next((x for i, x in enumerate(items) if x in items[:i]), None)
+    if twice is not None:  # it would be validated (and reported) twice
+        raise DinferError(f"validate {flag} {envs.shown(text)} names {envs.shown(twice)} twice")
 
 
 def cmd_validate(a: argparse.Namespace) -> int:
@@ -782,6 +787,10 @@ def cmd_validate(a: argparse.Namespace) -> int:
     for flag, target in (("--json", a.json), ("--markdown", a.markdown)):  # unwritable: fails now, not after
         if target:
             check_output_file(target, f"{flag} report")
+    if a.json and a.markdown and a.json != "-" and os.path.realpath(a.json) == os.path.realpath(a.markdown):
+        raise DinferError(
+            f"validate --json and --markdown name the same file ({a.json}): the second report would replace the first"
+        )
 
     report = validate(a.backends, quick=a.quick, dtypes=a.dtypes)
     if a.json:

@@ -74,6 +74,18 @@ def read_items(path: Path, prompt_field: str, answer_field: str, limit: int | No
     return items
 
 
+def encode_items(llm, items: list[Item], path: Path, chat: bool) -> list[list[int]]:
+    """Each item's prompt as token ids; one the model cannot take (empty, text its tokenizer
+    lacks, the mask token) is an error naming the file and line, not its index in the batch."""
+    ids = []
+    for it in items:
+        try:
+            ids.append(llm.encode(it.prompt, chat, where="the prompt"))
+        except DinferError as e:
+            raise type(e)(f"{path}:{it.line}: {e}") from None
+    return ids
+
+
 def scorer(metric: str, pattern: str | None = None):
     """``(output, answer) -> (correct, extracted)`` for ``metric``."""
     if metric not in METRICS:
@@ -126,7 +138,8 @@ def evaluate_file(
     if output is not None:
         check_output_file(output, "output")
     start = time.perf_counter()
-    outs = llm.generate([it.prompt for it in items], params, progress=progress)
+    prompts = encode_items(llm, items, path, params.chat)
+    outs = llm.generate(prompts, params, progress=progress)
     wall = time.perf_counter() - start
     records, correct = [], 0
     for it, o in zip(items, outs):

@@ -95,6 +95,7 @@ class LLM:
             )  # fmt: skip
             self.model = None
         elif isinstance(model, Model):
+            _refuse_load_arguments(model, backend, dtype, check_weights, quantization)
             self.model = model
         else:
             self.model = load_model(
@@ -242,6 +243,30 @@ def _check_arguments(model, backend, dtype, check_weights, quantization, expert_
     for name, value, types, expected in kinds:
         if not isinstance(value, types):
             raise GenerationError(f"LLM: {name} must be {expected}, got {type(value).__name__} {value!r}")
+
+
+def _refuse_load_arguments(model: Model, backend, dtype, check_weights, quantization) -> None:
+    """The loading arguments of a model that is already loaded: they would be ignored, and the
+    answers silently those of the model as it was loaded (``LLM(m, quantization="fp8")`` ran fp32)."""
+    given = [
+        f"{name}={value!r}"
+        for name, value, unset in (
+            ("backend", backend, None),
+            ("dtype", dtype, None),
+            ("quantization", quantization, None),
+            ("check_weights", check_weights, True),
+        )  # fmt: skip
+        if value != unset
+    ]
+    if given:
+        loaded = f"{model.backend.name}, {str(model.dtype).removeprefix('torch.')}"
+        if model.weight_format is not None:
+            loaded += f", {model.weight_format} weights"
+        what, them = ("a loading argument", "it") if len(given) == 1 else ("loading arguments", "them")
+        raise GenerationError(
+            f"LLM: {', '.join(given)}: {what}, and this Model is already loaded ({loaded}): pass its "
+            f"path instead, or give {them} to load_model"
+        )
 
 
 # ---------------------------------------------------------------- under an external launcher (torchrun)

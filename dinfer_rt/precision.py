@@ -43,6 +43,15 @@ class Stage:
     bound: float
 
 
+def _covers(earlier: Stage, later: Stage) -> bool:
+    """Whether ``earlier``'s condition holds whenever ``later``'s does (so ``later`` never fires)."""
+    if earlier.kind != later.kind:
+        return False
+    if earlier.kind == "fraction":  # masked > later.bound >= earlier.bound
+        return earlier.bound <= later.bound
+    return earlier.bound >= later.bound  # step < later.bound <= earlier.bound
+
+
 @dataclass(frozen=True)
 class PrecisionSchedule:
     stages: tuple[Stage, ...]
@@ -82,7 +91,12 @@ class PrecisionSchedule:
                 raise bad(f"stage {part!r}: the masked fraction must be in [0, 1)")
             if sep == ":" and bound < 1:
                 raise bad(f"stage {part!r}: the step count must be >= 1")
-            stages.append(Stage(fmt, "fraction" if sep == "@" else "steps", bound))
+            stage = Stage(fmt, "fraction" if sep == "@" else "steps", bound)
+            shadow = next((p for p, st in zip(low, stages) if _covers(st, stage)), None)
+            if shadow is not None:  # stages are tried in order: this one could never pick a forward
+                order = "fractions must decrease" if sep == "@" else "step counts must increase"
+                raise bad(f"stage {part!r} is unreachable: {shadow!r} before it holds whenever it would ({order})")
+            stages.append(stage)
         return cls(tuple(stages), full)
 
     def check_model(self, dtype: torch.dtype, weight_format: str | None) -> None:

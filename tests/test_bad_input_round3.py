@@ -14,6 +14,7 @@ server rows are the second table of ``docs/bad-inputs.md``, kept equal to SERVER
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -463,7 +464,21 @@ API_SLIPS = [
     (lambda: dinfer_rt.LLM(tensor_parallel_size=0), "LLM: tensor_parallel_size must be an int >= 1, got 0"),
     (lambda: dinfer_rt.LLM(data_parallel_size=2.0), "LLM: data_parallel_size must be an int >= 1, got 2.0"),
     (lambda: dinfer_rt.LLM(check_weights="no"), "LLM: check_weights must be True or False, got str 'no'"),
+    (  # a loaded model's loading arguments would be ignored: its answers were fp32's
+        lambda: dinfer_rt.LLM(_loaded(), quantization="fp8"),
+        "LLM: quantization='fp8': a loading argument, and this Model is already loaded (cpu, float32): "
+        "pass its path instead, or give it to load_model",
+    ),
+    (
+        lambda: dinfer_rt.LLM(_loaded(), backend="reference", check_weights=False),
+        "LLM: backend='reference', check_weights=False: loading arguments, and this Model is already loaded",
+    ),
 ]
+
+
+@functools.cache
+def _loaded():
+    return dinfer_rt.load_model(backend="cpu")
 
 
 def test_python_api_type_slips_name_the_argument():

@@ -258,6 +258,18 @@ CASES = [
         "data.jsonl:2: not a JSON object",
     ),
     Case(
+        "eval-data-empty-prompt",
+        lambda env: env.cli(
+            "eval", "--data", str(env.data('{"prompt": "ab", "answer": "x"}', '{"prompt": " ", "answer": "x"}'))
+        ),
+        "data.jsonl:2: the prompt is an empty prompt",
+    ),
+    Case(
+        "bench-data-unknown-text",
+        lambda env: env.cli("bench", "--data", str(env.data('{"prompt": "ab"}', '{"prompt": "ab C"}'))),
+        "data.jsonl:2: prompt 'ab C' has text the tokenizer does not know",
+    ),
+    Case(
         "eval-data-missing-file",
         lambda env: env.cli("eval", "--data", str(env.tmp / "nope.jsonl")),
         "nope.jsonl: cannot read the data file",

@@ -86,9 +86,17 @@ def test_ir_backend_ascend_never_imports_torch_npu_where_it_cannot_work(capsys, 
         (["--backends", "cpu,,reference"], "validate --backends 'cpu,,reference': item 2 is empty"),
         (["--backends", "cpu", "--dtypes", ""], "validate --dtypes '' names nothing"),
         (["--backends", "cpu", "--dtypes", "float32,"], "validate --dtypes 'float32,': item 2 is empty"),
+        (["--backends", "all,cpu"], "validate --backends 'all,cpu': 'all' (every available backend) stands alone"),
+        (["--backends", "reference, reference"], "validate --backends 'reference, reference' names 'reference' twice"),
+        (["--backends", "cpu", "--dtypes", "float32,float32"], "names 'float32' twice"),
+        (  # the JSON report was silently replaced by the Markdown one
+            ["--backends", "cpu", "--json", "r.txt", "--markdown", "./r.txt"],
+            "validate --json and --markdown name the same file (r.txt): the second report would replace the first",
+        ),
     ],
 )
-def test_validate_refuses_empty_lists(argv, message, capsys, monkeypatch):
+def test_validate_refuses_empty_lists(argv, message, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
     import dinfer_rt.validation.runner as runner
 
     def ran(*a, **k):
@@ -152,6 +160,21 @@ def test_a_flag_the_run_does_not_read_is_refused(command, argv, message, no_load
 )
 def test_a_flag_the_run_reads_is_accepted(argv):
     _params(build_parser().parse_args(["generate", "ab", *argv]))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--strategy", "hierarchical", "--threshold", "0.5", "--low-threshold", "0.99"],
+        ["--strategy", "hierarchical", "--threshold", "0.5"],  # the default low_threshold, 0.6
+    ],
+)
+def test_a_low_threshold_above_the_threshold_is_refused(argv, no_load, capsys):
+    """Hierarchical's second tier takes a masked run's best slot above low_threshold: above the
+    threshold it adds nothing the first tier does not (the run was threshold decoding)."""
+    message = _refused(["generate", "ab", *argv], capsys)
+    assert "is above threshold 0.5: hierarchical's second tier" in message
+    assert "set low_threshold below threshold (its default is 0.6)" in message
 
 
 def test_serve_flags_are_request_defaults(no_load, capsys):

@@ -273,6 +273,10 @@ def test_gptq_bad_layouts_are_one_line_errors(tmp_path):
         ("int8@1.5,fp32", r"masked fraction must be in \[0, 1\)"),
         ("int8:x,fp32", "'x' is not a step count"),
         ("int8-0.5,fp32", "must be FORMAT@FRACTION or FORMAT:STEPS"),
+        # a stage an earlier one always wins over (stages are tried in order) never picks a forward
+        ("int8@0.2,fp8@0.5,fp32", r"stage 'fp8@0.5' is unreachable: 'int8@0.2' .*fractions must decrease"),
+        ("int8@0.3,int8@0.3,fp32", "stage 'int8@0.3' is unreachable"),
+        ("int8:3,fp8:2,fp32", r"stage 'fp8:2' is unreachable: 'int8:3' .*step counts must increase"),
     ],
 )
 def test_bad_schedules_are_one_line_errors(text, pattern):
