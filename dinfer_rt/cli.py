@@ -409,12 +409,26 @@ def _flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+def _check_graph_flags(a: argparse.Namespace) -> None:
+    """The graph knobs with ``--graphs off`` would be ignored: an error naming both, before the load."""
+    if getattr(a, "graphs", None) != "off":
+        return
+    for flag, value, default in (
+        ("--graph-batch-sizes", a.graph_batch_sizes, None),
+        ("--graph-length-step", a.graph_length_step, 256),
+    ):
+        if value != default:
+            raise DinferError(f"{flag} applies to device graphs (this run: --graphs off); drop one of the two")
+
+
 def _params(a: argparse.Namespace, request_settable=()) -> SamplingParams:
-    """The request settings the sampling flags give (a ``--preset`` under them), validated; a
-    rule-specific flag given explicitly that this run's strategy / cache / precision schedule
-    does not read (``strategies.READ_BY``) is an error naming both, not silently ignored.
+    """The request settings the sampling flags give (a ``--preset`` under them), validated (the
+    graph flags too: ``_check_graph_flags``); a rule-specific flag given explicitly that this
+    run's strategy / cache / precision schedule does not read (``strategies.READ_BY``) is an
+    error naming both, not silently ignored.
     ``request_settable``: the settings a request may change itself (``serve``: the flags are its
     defaults), whose conditions are not checked here."""
+    _check_graph_flags(a)
     fields = {name: getattr(a, name) for name in _SAME_NAMED}
     given = [name for name, v in fields.items() if v is not None and v is not False]  # store_true: False unset
     from_preset = set()

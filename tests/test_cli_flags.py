@@ -163,6 +163,14 @@ def test_a_flag_the_run_reads_is_accepted(argv):
 
 
 @pytest.mark.parametrize(
+    "argv", [["--graph-batch-sizes", "1,2"], ["--graph-length-step", "7"], ["--graph-length-step", "0"]]
+)
+def test_graph_knobs_with_graphs_off_are_refused(argv, no_load, capsys):
+    message = _refused(["generate", "ab", "--graphs", "off", *argv], capsys)
+    assert f"{argv[0]} applies to device graphs (this run: --graphs off); drop one of the two" in message
+
+
+@pytest.mark.parametrize(
     "argv",
     [
         ["--strategy", "hierarchical", "--threshold", "0.5", "--low-threshold", "0.99"],
