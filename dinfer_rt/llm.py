@@ -76,6 +76,11 @@ class LLM:
         for name, size in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise GenerationError(f"LLM: {name} must be an int >= 1, got {size!r}")
+        if expert_parallel and tensor_parallel_size == 1:  # it would be ignored
+            raise GenerationError(
+                "LLM: expert_parallel=True splits MoE experts over tensor-parallel ranks; it needs "
+                "tensor_parallel_size > 1 (--tensor-parallel-size)"
+            )
         if tensor_parallel_size > 1 or data_parallel_size > 1:
             from dinfer_rt.loader import model_folder
             from dinfer_rt.workers import ReplicaPool

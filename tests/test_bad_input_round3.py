@@ -469,6 +469,10 @@ API_SLIPS = [
         "LLM: quantization='fp8': a loading argument, and this Model is already loaded (cpu, float32): "
         "pass its path instead, or give it to load_model",
     ),
+    (  # ignored: one process splits nothing
+        lambda: dinfer_rt.LLM(expert_parallel=True),
+        "LLM: expert_parallel=True splits MoE experts over tensor-parallel ranks; it needs tensor_parallel_size > 1",
+    ),
     (
         lambda: dinfer_rt.LLM(_loaded(), backend="reference", check_weights=False),
         "LLM: backend='reference', check_weights=False: loading arguments, and this Model is already loaded",

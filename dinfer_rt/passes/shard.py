@@ -89,6 +89,10 @@ def check_split(spec: ModelSpec, world: int, expert_parallel: bool = False) -> N
         raise ConfigError(f"{where} is not a multiple of the {spec.n_kv_heads} KV heads (replicated KV heads)")
     moe = spec.moe
     if moe is None:
+        if expert_parallel:  # nothing to split by expert: it would be plain tensor parallelism
+            raise ConfigError(
+                f"expert parallelism splits MoE experts over the ranks; this model ({spec.family}) has none"
+            )
         if spec.intermediate % world:
             raise ConfigError(f"{where} does not divide the MLP intermediate size {spec.intermediate}")
         return
