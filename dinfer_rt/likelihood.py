@@ -12,6 +12,7 @@ continuation, one most-confident token per step (LLaDA ``suffix_greedy_predictio
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,12 @@ import torch.nn.functional as F
 
 from dinfer_rt.errors import GenerationError
 from dinfer_rt.model import Model
+from dinfer_rt.sampling import _FIELD_RULES
+from dinfer_rt.tokenizer import _short
+
+# The mask plan holds mc_num x (context + continuation) ids at once; LLaDA's evaluations use 128 to 1024.
+MAX_MC_NUM = 4096
+_CFG_MAX, _SEED_MAX = _FIELD_RULES["cfg_scale"][2], _FIELD_RULES["seed"][2]  # SamplingParams' bounds
 
 
 @dataclass
@@ -63,11 +70,19 @@ def loglikelihood(
     seed: int = 0,
     greedy_check: bool = True,
 ) -> LikelihoodResult:
-    """The masked-diffusion bound of ``log p(continuation | context)``, deterministic under ``seed``."""
+    """The masked-diffusion bound of ``log p(continuation | context)``, deterministic under ``seed``.
+
+    Every argument is checked before any compute (``check_ids``, ``check_int``, ``check_cfg_scale``)."""
+    context = check_ids(context, "context", model)
+    continuation = check_ids(continuation, "continuation", model)
     if not continuation:
         raise GenerationError("loglikelihood: the continuation is empty")
-    if mc_num < 1 or batch_size < 1:
-        raise GenerationError(f"loglikelihood: mc_num ({mc_num}) and batch_size ({batch_size}) must be >= 1")
+    mc_num = check_int("mc_num", mc_num, 1, MAX_MC_NUM)
+    batch_size = check_int("batch_size", batch_size, 1)
+    seed = check_int("seed", seed, 0, _SEED_MAX)
+    cfg_scale = check_cfg_scale(cfg_scale)
+    if not isinstance(greedy_check, bool):  # "no" is truthy: a silent yes
+        raise GenerationError(f"loglikelihood: greedy_check must be True or False, got {_short(greedy_check)}")
     if mc_num % batch_size and mc_num > batch_size:
         raise GenerationError(f"loglikelihood: mc_num {mc_num} must be a multiple of batch_size {batch_size}")
     seq = torch.tensor(context + continuation, dtype=torch.long)
@@ -90,6 +105,48 @@ def loglikelihood(
     stderr = float(losses.std() / mc_num**0.5) if mc_num > 1 else float("nan")
     greedy = _greedy_matches(model, seq, ctx, cfg_scale) if greedy_check else False
     return LikelihoodResult(-float(losses.mean()), greedy, stderr)
+
+
+def check_ids(ids: object, name: str, model: Model) -> list[int]:
+    """A list (or tuple) of ints in [0, vocab) without the mask id: a float would be truncated, an id
+    out of range would index past the embedding, and a mask id would be scored as a blank."""
+    if not isinstance(ids, (list, tuple)):
+        kind = type(ids).__name__
+        raise GenerationError(f"loglikelihood: {name} must be a list of token ids, got {kind} {_short(ids)}")
+    vocab = model.spec.vocab
+    for pos, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            raise GenerationError(
+                f"loglikelihood: {name} token {pos} is {_short(t)}; token ids must be ints in [0, {vocab}) "
+                "(the model's vocabulary)"
+            )
+        if t == model.mask_id:
+            raise GenerationError(
+                f"loglikelihood: {name} holds the mask token (id {t}) at token {pos}: the bound would score it "
+                "as a blank, not as text; remove it"
+            )
+    return list(ids)
+
+
+def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
+    """An int (not a bool, not a float: 2.5 samples or seed 1.5 have no meaning) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GenerationError(f"loglikelihood: {name} must be int, got {type(value).__name__} {_short(value)}")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise GenerationError(f"loglikelihood: {name} {_short(value)} must be {bound}")
+    return value
+
+
+def check_cfg_scale(value: object) -> float:
+    """A finite number in [0, 100] (SamplingParams' bound): nan and negatives would act as 0, inf gives nan."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise GenerationError(f"loglikelihood: cfg_scale must be float, got {type(value).__name__} {_short(value)}")
+    if not math.isfinite(value):
+        raise GenerationError(f"loglikelihood: cfg_scale must be a finite number, got {value!r}")
+    if not 0 <= value <= _CFG_MAX:
+        raise GenerationError(f"loglikelihood: cfg_scale {value!r} must be in [0, {_CFG_MAX}]")
+    return float(value)
 
 
 def _greedy_matches(model: Model, seq: torch.Tensor, ctx: int, cfg_scale: float) -> bool:

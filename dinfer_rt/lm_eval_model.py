@@ -24,21 +24,69 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from dinfer_rt.engine_args import EngineArgs
-from dinfer_rt.errors import DinferError
-from dinfer_rt.likelihood import loglikelihood
+from dinfer_rt.errors import DinferError, GenerationError
+from dinfer_rt.likelihood import MAX_MC_NUM, loglikelihood
 from dinfer_rt.llm import LLM
 from dinfer_rt.loader import model_folder
 from dinfer_rt.plugins import select_backend
 from dinfer_rt.sampling import SamplingParams
+from dinfer_rt.tokenizer import _short
 
 _SAMPLING_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
 _ENGINE_FIELDS = [f.name for f in dataclasses.fields(EngineArgs)]
+# gen_kwargs honoured by generate_until; sampler knobs dinfer-rt lacks are accepted at their neutral values only
+# (lm-eval tasks often send top_p 1.0, top_k 0 / -1, num_beams 1), anything else would be dropped silently
+_GEN_KEYS = ("until", "max_gen_toks", "max_new_tokens", "do_sample", "temperature")
+_NEUTRAL = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "num_beams": (None, 1)}
+
+
+def _int_arg(label: str, value: object, low: int = 1, high: int | None = None, alt: str = "") -> int:
+    """An int, typed or as text ("2": lm-eval may pass model_args as strings); a float or bool is
+    refused, not truncated (mc_num=2.7 would silently run 2 samples)."""
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise GenerationError(f"{label} must be an int {bound}{alt}, got {_short(value)}")
+    return value
+
+
+def _batch_size(value: object) -> int:
+    """lm-eval's batch_size: an int, or "auto" / "auto:N" (no memory probe here: 16)."""
+    if isinstance(value, str) and re.fullmatch(r"auto(:\d+)?", value.strip()):
+        return 16
+    return _int_arg("--model_args: batch_size", value, alt=" or 'auto' / 'auto:N'")
+
+
+def _check_gen_kwargs(gen_kwargs: object) -> None:
+    """Refuse a generation argument this adapter cannot honour rather than decode without it."""
+    if not isinstance(gen_kwargs, dict):
+        raise GenerationError(f"generate_until: gen_kwargs must be a dict, got {_short(gen_kwargs)}")
+    for key, value in gen_kwargs.items():
+        if key in _NEUTRAL and value not in _NEUTRAL[key]:
+            raise GenerationError(
+                f"generate_until: gen_kwargs {key} {_short(value)} is not supported: dinfer-rt does not sample "
+                f"with {key} (accepted: {', '.join(map(str, _NEUTRAL[key][1:]))}, the neutral value)"
+            )
+        if key not in _NEUTRAL and key not in _GEN_KEYS:
+            raise GenerationError(
+                f"generate_until: unknown gen_kwargs key {_short(key)}; supported: {', '.join(_GEN_KEYS)}, "
+                f"and {', '.join(_NEUTRAL)} at their neutral values"
+            )
+    if not isinstance(gen_kwargs.get("do_sample", False), bool):
+        raise GenerationError(
+            f"generate_until: gen_kwargs do_sample must be true or false, got {_short(gen_kwargs['do_sample'])}"
+        )
+    t = gen_kwargs.get("temperature")
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf):
+        raise GenerationError(f"generate_until: gen_kwargs temperature must be a finite number >= 0, got {_short(t)}")
 
 
 def _flag(value) -> bool:
@@ -80,13 +128,18 @@ class DinferLM(LM):
         sampling.pop("device", None)  # lm-eval passes its --device; the backend decides the device here
         sampling.pop("max_batch_size", None)
         engine = {name: sampling.pop(name) for name in _ENGINE_FIELDS if name in sampling}
-        tp, ep = int(tensor_parallel_size), _flag(expert_parallel)
+        tp, ep = _int_arg("--model_args: tensor_parallel_size", tensor_parallel_size), _flag(expert_parallel)
+        self.mc_num = _int_arg("--model_args: mc_num", mc_num, 1, MAX_MC_NUM)
+        self.mc_batch_size = _int_arg("--model_args: mc_batch_size", mc_batch_size)
+        if self.mc_num % self.mc_batch_size and self.mc_num > self.mc_batch_size:
+            raise GenerationError(
+                f"--model_args: mc_num {self.mc_num} must be a multiple of mc_batch_size {self.mc_batch_size}"
+            )
+        self.batch_size = _batch_size(batch_size)
         self.llm = LLM(
             pretrained or None, backend=backend, dtype=dtype, tensor_parallel_size=tp, expert_parallel=ep, **engine
         )
         self.path = model_folder(pretrained or None)
-        self.mc_num, self.mc_batch_size = int(mc_num), int(mc_batch_size)
-        self.batch_size = 16 if str(batch_size).startswith("auto") else int(batch_size)
         defaults = SamplingParams(**sampling, batch_size=self.batch_size, chat=False)
         spec = self.llm.model.spec if self.llm.model is not None else self.llm.pool.spec
         self.defaults = defaults.for_model(spec)  # the checkpoint's block where none is set
@@ -137,7 +190,8 @@ class DinferLM(LM):
     def _params_for(self, gen_kwargs: dict) -> tuple[SamplingParams, int]:
         until = gen_kwargs.get("until") or ()
         until = (until,) if isinstance(until, str) else tuple(u for u in until if u)
-        max_toks = int(gen_kwargs.get("max_gen_toks", self.defaults.gen_length))
+        key = "max_gen_toks" if "max_gen_toks" in gen_kwargs else "max_new_tokens"  # HF's name, some tasks send it
+        max_toks = _int_arg(f"generate_until: gen_kwargs {key}", gen_kwargs.get(key, self.defaults.gen_length))
         block = self.defaults.block_length
         gen = max(block, math.ceil(max_toks / block) * block)
         fields = dataclasses.asdict(self.defaults)
@@ -154,6 +208,7 @@ class DinferLM(LM):
         out: list[str | None] = [None] * len(requests)
         groups: dict[str, list[int]] = {}
         for i, req in enumerate(requests):
+            _check_gen_kwargs(req.args[1])
             groups.setdefault(repr(sorted(req.args[1].items())), []).append(i)
         tok = self.llm.tokenizer
         with tqdm(total=len(requests), desc="dinfer_rt generate_until", disable=disable_tqdm) as bar:
@@ -203,6 +258,10 @@ class DinferLM(LM):
         results = []
         for req in tqdm(requests, desc="dinfer_rt loglikelihood_rolling", disable=disable_tqdm):
             ids = tok.encode(req.args[0])
+            if not ids:
+                raise GenerationError(
+                    f"loglikelihood_rolling: the text is empty ({_short(req.args[0])} has no tokens to score)"
+                )
             r = self._score([] if bos is None else [bos], ids, greedy=False)
             results.append(r.logprob)
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, r.logprob)

@@ -7,9 +7,12 @@ selection error messages only ever need this part.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
+
+from dinfer_rt.envs import shown
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,23 @@ class Platform:
 
     def validate_choice(self) -> str | None:
         """Why the flavour/arch named in the choice (``name:flavour:arch``) is invalid, or None."""
+        return None
+
+    def choice_problem(self, flavours: Collection[str], archs: Collection[str] = ()) -> str | None:
+        """For :meth:`validate_choice`: why the chosen flavour is none of ``flavours`` or the
+        chosen arch none of ``archs`` (empty: the backend takes no arch), or None. Values are cut
+        (:func:`dinfer_rt.envs.shown`): they come from the environment."""
+        if self.flavour not in flavours:
+            its = (
+                f"its flavour is {next(iter(flavours))!r}"
+                if len(flavours) == 1
+                else f"its flavours: {', '.join(flavours)}"
+            )
+            return f"backend {self.name} has no flavour {shown(self.flavour)}; {its}"
+        if self.arch is not None and self.arch not in archs:
+            if not archs:
+                return f"backend {self.name} takes no arch (got {shown(self.arch)})"
+            return f"backend {self.name} has no arch {shown(self.arch)}; known: {', '.join(archs)}"
         return None
 
     def identify(self) -> None:

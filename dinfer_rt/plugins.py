@@ -27,6 +27,7 @@ import difflib
 import functools
 import inspect
 import os
+import re
 import sys
 import types
 import warnings
@@ -103,6 +104,9 @@ class Registry:
     manager: pluggy.PluginManager
     _unwarned: list[PluginFailure] = field(default_factory=list)
     _recording: list[PluginFailure] | None = None  # every fault met while gathering contributions
+    excluded: dict[str, str] = field(
+        default_factory=dict
+    )  # installed plugin not loaded -> the setting that excludes it
 
     def call(self, hook: str, **kwargs) -> list[tuple[str, object]]:
         """``pm.hook.<hook>(**kwargs)``, each non-None result paired with its plugin's name."""
@@ -199,6 +203,11 @@ def _api_mismatch(module: object) -> str | None:
     version = getattr(module, HOOK_API_ATTRIBUTE, None)
     if version is None:
         return f"declares no {HOOK_API_ATTRIBUTE} (this dinfer-rt speaks hook API {HOOK_API_VERSION})"
+    if not isinstance(version, int) or isinstance(version, bool):  # "2" would read as a mismatch with 2
+        return (
+            f"declares {HOOK_API_ATTRIBUTE} = {version!r:.40}, which is not an int "
+            f"(this dinfer-rt speaks hook API {HOOK_API_VERSION}: {HOOK_API_ATTRIBUTE} = {HOOK_API_VERSION})"
+        )
     if version != HOOK_API_VERSION:
         return f"was built for dinfer-rt hook API {version}; this dinfer-rt speaks hook API {HOOK_API_VERSION}"
     return None
@@ -225,8 +234,10 @@ def registry() -> Registry:
     for ep in found:
         dist = _distribution(ep)
         if builtins_only and dist != BUILTIN_DISTRIBUTION:
+            reg.excluded[ep.name] = f"{envs.DINFER_DISABLE_PLUGIN_AUTOLOAD}=1"
             continue
         if allow is not None and ep.name not in allow:
+            reg.excluded[ep.name] = f"{envs.DINFER_PLUGINS}={envs.shown(os.environ[envs.DINFER_PLUGINS])}"
             continue
         try:
             module = ep.load()
@@ -261,6 +272,11 @@ def registry() -> Registry:
             )
             continue
         for cls in classes:
+            if (why := _registration_problem(cls)) is not None:
+                reg.failures.append(
+                    PluginFailure(plugin, f"{why}; this backend is skipped", "dinfer_rt_register_backends")
+                )
+                continue
             taken = reg.backends.get(cls.name)
             if taken is cls:
                 continue
@@ -278,6 +294,38 @@ def registry() -> Registry:
             reg.backends[cls.name] = cls
             reg.plugin_of[cls.name] = plugin
     return reg
+
+
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def _registration_problem(cls: type[Backend]) -> str | None:
+    """Why a backend class cannot be registered (None: it can): its name must be one a choice
+    ``name[:flavour[:arch]]`` can spell and sorts with the others; its priority must order."""
+    name = cls.name
+    if not isinstance(name, str):
+        return f"backend {_qualified(cls)} has name {name!r:.40} (a {type(name).__name__}; a name is a str)"
+    if not _NAME.fullmatch(name):
+        why = "the Platform default: give it a name" if name == "?" else "letters, digits, '_', '.', '-' only"
+        return f"backend {_qualified(cls)} has name {envs.shown(name)} ({why})"
+    if not isinstance(cls.priority, (int, float)) or isinstance(cls.priority, bool):
+        return f"backend {name!r} ({_qualified(cls)}) has priority {cls.priority!r:.40}, expected a number"
+    return None
+
+
+def _plugin_fault(backend: Backend | type[Backend], what: str, e: Exception) -> BackendError:
+    """The error for a backend method of a third-party plugin that raised, naming both."""
+    name = backend.name
+    plugin = registry().plugin_of.get(name, "?")
+    return BackendError(f"plugin {plugin!r} fault: backend {name!r} {what} raised {type(e).__name__}: {e}")
+
+
+def _instance(cls: type[Backend]) -> Backend:
+    """``cls()``, a constructor that raises being its plugin's named fault."""
+    try:
+        return cls()
+    except Exception as e:
+        raise _plugin_fault(cls, "constructor", e) from e
 
 
 def _distribution(ep) -> str | None:
@@ -361,16 +409,32 @@ def _gather(reg: Registry, backend: Backend) -> Contributions:
 
 def compile_targets() -> dict[str, Callable[[], list[dict]]]:
     """Every ahead-of-time kernel target the installed backends contribute."""
+    reg = registry()
     targets: dict[str, Callable] = {}
-    for _, contributed in reversed(registry().typed("dinfer_rt_compile_targets", dict)):
+    for plugin, contributed in reversed(reg.typed("dinfer_rt_compile_targets", dict)):
+        if (bad := next(((k, v) for k, v in contributed.items() if not callable(v)), None)) is not None:
+            why = f"returned {type(bad[1]).__name__} {bad[1]!r:.40} as target {bad[0]!r:.40}, expected a callable"
+            reg._fault(PluginFailure(plugin, why, "dinfer_rt_compile_targets"))
+            continue
         targets.update(contributed)
+    reg._warn_new()
     return targets
 
 
 def env_info() -> dict[str, str]:
+    """Every plugin's ``{name: fact}`` as strings; a fact whose ``str()`` raises drops that plugin's table."""
+    reg = registry()
     info: dict[str, str] = {}
-    for _, contributed in reversed(registry().typed("dinfer_rt_env_info", dict)):
-        info.update({str(k): str(v) for k, v in contributed.items()})
+    for plugin, contributed in reversed(reg.typed("dinfer_rt_env_info", dict)):
+        try:
+            info.update({str(k): str(v) for k, v in contributed.items()})
+        except Exception as e:
+            reg._fault(
+                PluginFailure(
+                    plugin, f"returned a value whose str() raised {type(e).__name__}: {e}", "dinfer_rt_env_info"
+                )
+            )
+    reg._warn_new()
     return info
 
 
@@ -379,12 +443,22 @@ def availability(backend: type[Backend] | Backend) -> Availability:
     that raises, or returns anything but an :class:`Availability` (a bare ``True``), leaves the
     backend unavailable with that reason, the plugin named: every caller gets an Availability."""
     try:
-        answer = (backend() if isinstance(backend, type) else backend).is_available()
+        instance = _instance(backend) if isinstance(backend, type) else backend
+    except BackendError as e:
+        return Availability(False, str(e))
+    try:
+        answer = instance.is_available()
     except Exception as e:
         return Availability(False, f"availability probe raised {type(e).__name__}: {e}")
+    name = backend.name
+    plugin = registry().plugin_of.get(name, "?")
+    if isinstance(answer, Availability) and not isinstance(answer.ok, bool):  # bool(answer) would raise
+        return Availability(
+            False,
+            f"plugin {plugin!r} fault: {name}.is_available returned Availability(ok={answer.ok!r:.20}), "
+            "ok must be a bool",
+        )
     if not isinstance(answer, Availability):
-        name = backend.name
-        plugin = registry().plugin_of.get(name, "?")
         return Availability(
             False,
             f"plugin {plugin!r} fault: {name}.is_available returned {type(answer).__name__}, expected Availability "
@@ -435,16 +509,19 @@ def select_backend(choice: str | None = None) -> Backend:
     reg = registry()
     if raw is None:
         for cls in sorted(reg.backends.values(), key=lambda c: -c.priority):
-            backend = cls()
-            if availability(backend):
-                return _resolved(backend)
+            try:  # a plugin whose backend raises must not stop auto-detection of the others
+                backend = _instance(cls)
+                if availability(backend):
+                    return _resolved(backend)
+            except BackendError as e:
+                warnings.warn(f"{e}; auto-detection skips it", RuntimeWarning, stacklevel=2)
         raise BackendError(f"no backend is available; backends:\n{describe_all()}")
     source = _source(choice)
     backend = construct_backend(raw, source)
     a = availability(backend)
     if not a:
         raise BackendError(
-            f"backend {raw!r} chosen by {source} is unavailable: {a.reason}; backends:\n{describe_all()}"
+            f"backend {envs.shown(raw)} chosen by {source} is unavailable: {a.reason}; backends:\n{describe_all()}"
         )
     return _resolved(backend)
 
@@ -456,17 +533,31 @@ def construct_backend(raw: str, source: str) -> Backend:
     reg = registry()
     name, flavour, arch = parse_choice(raw, source)
     if name not in reg.backends:
-        failed = [f for f in reg.failures if f.name == name]
-        why = f" (its plugin failed: {failed[0].reason})" if failed else ""
-        raise BackendError(f"unknown backend {name!r} from {source}{why}; backends:\n{describe_all()}")
-    backend = reg.backends[name]()
+        raise BackendError(
+            f"unknown backend {envs.shown(name)} from {source}{_unknown_why(reg, name)}; backends:\n{describe_all()}"
+        )
+    backend = _instance(reg.backends[name])
     if flavour:
         backend.flavour = flavour
     if arch:
         backend.arch = arch
-    if (bad := backend.validate_choice()) is not None:
+    try:
+        bad = backend.validate_choice()
+    except Exception as e:
+        raise _plugin_fault(backend, "validate_choice", e) from e
+    if bad is not None:
         raise BackendError(f"{bad} (from {source})")
     return backend
+
+
+def _unknown_why(reg: Registry, name: str) -> str:
+    """What an unknown backend name may be instead: a failed or excluded plugin, another spelling."""
+    if failed := [f for f in reg.failures if f.name == name]:
+        return f" (its plugin failed: {failed[0].reason})"
+    if name in reg.excluded:
+        return f" (its plugin {name!r} is installed but excluded by {reg.excluded[name]})"
+    close = [n for n in reg.backends if n.lower() == name.lower()] or difflib.get_close_matches(name, reg.backends, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _source(choice: str | None) -> str:
@@ -474,7 +565,10 @@ def _source(choice: str | None) -> str:
 
 
 def _resolved(backend: Backend) -> Backend:
-    backend.identify()
+    try:
+        backend.identify()
+    except Exception as e:
+        raise _plugin_fault(backend, "identify", e) from e
     backend.contributions = contributions(backend)
     os.environ[envs.DINFER_BACKEND] = backend.describe()
     return backend

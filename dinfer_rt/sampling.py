@@ -163,12 +163,6 @@ class SamplingParams:
             PrecisionSchedule.parse(self.precision_schedule)
         if self.cfg_scale > 0 and self.cache != "none":
             raise bad(f"cfg_scale > 0 runs two rows per prompt and supports cache='none' only, not {self.cache!r}")
-        if self.strategy == "hierarchical" and self.low_threshold > self.threshold:  # it would change nothing
-            raise bad(
-                f"low_threshold {self.low_threshold} is above threshold {self.threshold}: hierarchical's second "
-                "tier (one slot per masked run above low_threshold) would add no slot the first does not; set "
-                "low_threshold below threshold (its default is 0.6)"
-            )
         return self
 
     def block(self) -> int:

@@ -66,6 +66,10 @@ class AscendBackend(Backend):
     # no operator here and stay off.
     FUSIONS = ("add_rms_norm", "merge_gate_up")
 
+    def validate_choice(self) -> str | None:
+        """One flavour (910B: the core counts and fusions here are its) and no arch."""
+        return self.choice_problem((type(self).flavour,))
+
     def __init__(self) -> None:
         self.constraint_fallbacks: dict[str, int] = {}
         self._warned: set[str] = set()

@@ -9,6 +9,7 @@ backend (``backends/reference``: the float64 oracle, which no native code touche
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Mapping
 
 import torch
@@ -20,6 +21,15 @@ from dinfer_rt.backends.cpu import kernels as cpu_kernels
 from dinfer_rt.errors import ConfigError
 from dinfer_rt.executor import Kernel
 from dinfer_rt.ir import OPS
+
+
+def host_archs() -> tuple[str, ...]:
+    """The names this host's CPU arch goes by (``cpu:native:x86`` on an x86-64 host)."""
+    machine = platform.machine().lower()
+    for family in (("x86_64", "x86", "amd64", "x64"), ("aarch64", "arm64")):
+        if machine in family:
+            return family
+    return (machine,) if machine else ()
 
 
 class CpuBackend(Backend):
@@ -40,11 +50,9 @@ class CpuBackend(Backend):
         return Availability(True, f"{threads}; native kernels {native.load().reason}")
 
     def validate_choice(self) -> str | None:
-        """The cpu backend has one flavour (subclasses: their own class default)."""
-        own = type(self).flavour
-        if self.flavour != own:
-            return f"backend {self.name} has no flavour {self.flavour!r}; its flavour is {own!r}"
-        return None
+        """The cpu backend has one flavour (subclasses: their own class default); an arch, if
+        named, must be this host's (nothing else could run here)."""
+        return self.choice_problem((type(self).flavour,), host_archs())
 
     def capabilities(self) -> Capabilities:
         dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

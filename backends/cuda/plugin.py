@@ -4,6 +4,8 @@ rows (``tuning.py``) and ptxas-based AOT builds (``aot.py``)."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from dinfer_rt.backend import Availability, Capabilities
@@ -22,6 +24,18 @@ class CudaBackend(TritonBackend):
         super().__init__()
         if interpreting():
             self.arch = "interpret"
+
+    def validate_choice(self) -> str | None:
+        """One flavour; an arch with a tuning row, or any ``sm_NN`` compute capability (an untuned
+        one gets the sm_90 row, as documented: :meth:`identify` writes such an arch back to
+        ``DINFER_BACKEND`` for child processes, which must accept it)."""
+        from dinfer_rt.backends.cuda.tuning import ARCH_TABLE
+
+        if bad := self.choice_problem((type(self).flavour,), (self.arch,) if self.arch else ()):  # the flavour
+            return bad
+        if self.arch is None or self.arch in ARCH_TABLE or re.fullmatch(r"sm_\d{2,3}", self.arch):
+            return None
+        return f"{self.choice_problem((self.flavour,), tuple(ARCH_TABLE))} (or an sm_NN compute capability)"
 
     def is_available(self) -> Availability:
         if not triton_installed():

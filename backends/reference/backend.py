@@ -25,9 +25,8 @@ class ReferenceBackend(Backend):
         return Availability(True, f"torch {torch.__version__}: every op's reference semantics, unfused")
 
     def validate_choice(self) -> str | None:
-        if self.flavour != type(self).flavour:
-            return f"backend {self.name} has no flavour {self.flavour!r}; its flavour is {type(self).flavour!r}"
-        return None
+        """One flavour and no arch: the oracle is plain torch wherever it runs."""
+        return self.choice_problem((type(self).flavour,))
 
     def capabilities(self) -> Capabilities:
         dtypes = (torch.float64, torch.float32)

@@ -17,6 +17,7 @@ from dinfer_rt.backend import Availability, Capabilities
 from dinfer_rt.backends.rocm_dcu import detect, tuning
 from dinfer_rt.backends.triton.backend import TritonBackend, interpreting, triton_installed, triton_version
 from dinfer_rt.backends.triton.launch import INTERPRETER_PARALLELISM
+from dinfer_rt.envs import shown
 from dinfer_rt.plugins import hookimpl
 
 DINFER_RT_HOOK_API = 2
@@ -42,10 +43,10 @@ class RocmDcuBackend(TritonBackend):
 
     def validate_choice(self) -> str | None:
         if self.flavour not in ("auto", "hygon", "amd"):
-            return f"rocm_dcu flavour {self.flavour!r} is not one of hygon, amd"
+            return f"rocm_dcu flavour {shown(self.flavour)} is not one of hygon, amd"
         if self.arch is not None:
             if self.arch not in tuning.ARCHS:
-                return f"rocm_dcu arch {self.arch!r} has no tuning row; known: {', '.join(tuning.ARCHS)}"
+                return f"rocm_dcu arch {shown(self.arch)} has no tuning row; known: {', '.join(tuning.ARCHS)}"
             vendor = tuning.ARCHS[self.arch].vendor
             if self.flavour not in ("auto", vendor) and self.arch != "gfx906":  # gfx906: Z100 and MI50 alike
                 return f"rocm_dcu arch {self.arch} is a {vendor} arch, not {self.flavour}"
