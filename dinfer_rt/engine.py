@@ -233,6 +233,12 @@ class Engine:
                 "(the model's max length)"
             )
         self.max_model_len = max_model_len or model.spec.max_length
+        if args.max_prefill_chunk_tokens and not model.spec.block_causal:  # it would be ignored
+            raise GenerationError(
+                f"Engine: max_prefill_chunk_tokens {args.max_prefill_chunk_tokens} needs a block-causal model "
+                f"(LLaDA2.x, SDAR); this {model.spec.family} model attends both ways, so every prompt K/V depends "
+                "on the whole sequence and its prompt is computed in one forward: leave it unset"
+            )
         default = SamplingParams().for_model(model.spec).block_length
         self.block_size = (block_length or default) if model.spec.block_causal else None
         self.mask_id, self.eos = model.mask_id, set(model.eos_ids)
@@ -626,7 +632,8 @@ class Engine:
         )  # fmt: skip
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request (a client went away): its row stops at the next step."""
+        """Cancel a request (a client went away): its row stops at the next step; a waiting one
+        stops counting against ``max_queue`` at once."""
         with self._lock:
             self._aborted.add(request_id)
 
@@ -650,7 +657,9 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return sum(len(g) for g in self.waiting)
+        """Waiting requests not aborted (an aborted one leaves the queue at the next step)."""
+        aborted = self._aborted
+        return sum(1 for g in self.waiting for r in g if r.id not in aborted)
 
     @property
     def num_running(self) -> int:

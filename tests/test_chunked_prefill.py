@@ -183,10 +183,14 @@ def test_bidirectional_families_keep_one_first_forward(models):
     assert engine.stats.prefill_chunks == 0 and long.output_ids == _alone(model, LONG, params)[: len(long.output_ids)]
 
 
-def test_engine_arg_is_validated():
+def test_engine_arg_is_validated(models):
     assert EngineArgs(max_prefill_chunk_tokens=0).validate().max_prefill_chunk_tokens == 0
     with pytest.raises(GenerationError, match="max_prefill_chunk_tokens"):
         EngineArgs(max_prefill_chunk_tokens=-1).validate()
+    # a bidirectional model never chunks its prompt: a cap there would be ignored, so it is refused
+    with pytest.raises(GenerationError, match="max_prefill_chunk_tokens 64 needs a block-causal model"):
+        Engine(models("llada"), max_prefill_chunk_tokens=64)
+    Engine(models("llada"), max_prefill_chunk_tokens=0).release()  # "off" is what it does anyway
 
 
 def test_served_chunks_are_counted_in_metrics(models):

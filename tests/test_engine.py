@@ -177,8 +177,13 @@ def test_bad_requests_are_refused_at_submit(embedded, ckpt_dir):
     for prompt, params, kw, message in cases:
         with pytest.raises(GenerationError, match=message):
             engine.submit(prompt, params, **kw)
-    engine.submit(ok, SamplingParams())
+    queued = engine.submit(ok, SamplingParams())
     with pytest.raises(QueueFull, match="max_queue 1"):
+        engine.submit(ok, SamplingParams())
+    engine.abort(queued.id)  # a client that went away frees its place at once, not at the next step
+    assert engine.num_waiting == 0
+    engine.submit(ok, SamplingParams())
+    with pytest.raises(QueueFull, match=r"\(1 of max_queue 1\)"):
         engine.submit(ok, SamplingParams())
     engine.close()
     with pytest.raises(EngineClosed):
