@@ -421,14 +421,24 @@ def _check_graph_flags(a: argparse.Namespace) -> None:
             raise DinferError(f"{flag} applies to device graphs (this run: --graphs off); drop one of the two")
 
 
+def _check_parallel_flags(a: argparse.Namespace) -> None:
+    """``--expert-parallel`` splits experts over tensor-parallel ranks: without
+    ``--tensor-parallel-size`` > 1 it would be ignored (plain decoding), an error before the load."""
+    if getattr(a, "expert_parallel", False) and getattr(a, "tensor_parallel_size", 1) == 1:
+        raise DinferError(
+            "--expert-parallel splits MoE experts over tensor-parallel ranks; it needs --tensor-parallel-size > 1"
+        )
+
+
 def _params(a: argparse.Namespace, request_settable=()) -> SamplingParams:
     """The request settings the sampling flags give (a ``--preset`` under them), validated (the
-    graph flags too: ``_check_graph_flags``); a rule-specific flag given explicitly that this
-    run's strategy / cache / precision schedule does not read (``strategies.READ_BY``) is an
-    error naming both, not silently ignored.
+    graph and parallel flags too: ``_check_graph_flags``, ``_check_parallel_flags``); a
+    rule-specific flag given explicitly that this run's strategy / cache / precision schedule
+    does not read (``strategies.READ_BY``) is an error naming both, not silently ignored.
     ``request_settable``: the settings a request may change itself (``serve``: the flags are its
     defaults), whose conditions are not checked here."""
     _check_graph_flags(a)
+    _check_parallel_flags(a)
     fields = {name: getattr(a, name) for name in _SAME_NAMED}
     given = [name for name, v in fields.items() if v is not None and v is not False]  # store_true: False unset
     from_preset = set()
@@ -891,13 +901,23 @@ def _annotated(graph, choice: str) -> str:
 
 
 def cmd_backends(a: argparse.Namespace) -> int:
-    from dinfer_rt.plugins import availability, registry
+    from dinfer_rt.errors import BackendError
+    from dinfer_rt.plugins import availability, instantiate, registry
 
     reg = registry()
     rows = []
     for name, cls in sorted(reg.backends.items()):
         av = availability(cls)
-        b = cls()
+        try:
+            b = instantiate(cls)
+            versions, collectives = b.versions(), b.capabilities().collectives if av.ok else None
+        except Exception as e:  # a plugin's fault is its row, not the end of the listing
+            why = e if isinstance(e, BackendError) else f"plugin {reg.plugin_of[name]!r} fault: {type(e).__name__}: {e}"
+            rows.append(
+                {"name": name, "flavour": "-", "available": False, "reason": str(why), "device": "-",
+                 "collectives": None, "plugin": reg.plugin_of[name], "versions": {}}
+            )  # fmt: skip
+            continue
         rows.append(
             {
                 "name": name,
@@ -905,9 +925,9 @@ def cmd_backends(a: argparse.Namespace) -> int:
                 "available": av.ok,
                 "reason": av.reason,
                 "device": b.device_type,
-                "collectives": b.capabilities().collectives if av.ok else None,
+                "collectives": collectives,
                 "plugin": reg.plugin_of[name],
-                "versions": b.versions(),
+                "versions": versions,
             }
         )
     rows += [

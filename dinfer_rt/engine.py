@@ -657,9 +657,10 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        """Waiting requests not aborted (an aborted one leaves the queue at the next step)."""
+        """Waiting requests not aborted or finished (an aborted one leaves the queue at the next
+        step; one aborted from a waiting batch is finished there, its batch left queued)."""
         aborted = self._aborted
-        return sum(1 for g in self.waiting for r in g if r.id not in aborted)
+        return sum(1 for g in self.waiting for r in g if not r.done and r.id not in aborted)
 
     @property
     def num_running(self) -> int:

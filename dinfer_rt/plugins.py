@@ -320,7 +320,7 @@ def _plugin_fault(backend: Backend | type[Backend], what: str, e: Exception) -> 
     return BackendError(f"plugin {plugin!r} fault: backend {name!r} {what} raised {type(e).__name__}: {e}")
 
 
-def _instance(cls: type[Backend]) -> Backend:
+def instantiate(cls: type[Backend]) -> Backend:
     """``cls()``, a constructor that raises being its plugin's named fault."""
     try:
         return cls()
@@ -443,7 +443,7 @@ def availability(backend: type[Backend] | Backend) -> Availability:
     that raises, or returns anything but an :class:`Availability` (a bare ``True``), leaves the
     backend unavailable with that reason, the plugin named: every caller gets an Availability."""
     try:
-        instance = _instance(backend) if isinstance(backend, type) else backend
+        instance = instantiate(backend) if isinstance(backend, type) else backend
     except BackendError as e:
         return Availability(False, str(e))
     try:
@@ -510,7 +510,7 @@ def select_backend(choice: str | None = None) -> Backend:
     if raw is None:
         for cls in sorted(reg.backends.values(), key=lambda c: -c.priority):
             try:  # a plugin whose backend raises must not stop auto-detection of the others
-                backend = _instance(cls)
+                backend = instantiate(cls)
                 if availability(backend):
                     return _resolved(backend)
             except BackendError as e:
@@ -536,7 +536,7 @@ def construct_backend(raw: str, source: str) -> Backend:
         raise BackendError(
             f"unknown backend {envs.shown(name)} from {source}{_unknown_why(reg, name)}; backends:\n{describe_all()}"
         )
-    backend = _instance(reg.backends[name])
+    backend = instantiate(reg.backends[name])
     if flavour:
         backend.flavour = flavour
     if arch:

@@ -319,8 +319,8 @@ class ReplicaPool:
             raise ReplicaError(f"tensor parallel size must be >= 1, got {tp_size}")
         path = Path(load.get("path") or default_model_path())
         self.spec = parse_spec(path)  # a bad model folder fails here, before any process starts
+        check_split(self.spec, tp_size, expert_parallel)  # expert parallelism without TP too
         if tp_size > 1:
-            check_split(self.spec, tp_size, expert_parallel)
             if load.get("quantization") is not None:
                 raise ReplicaError("quantization with tensor_parallel_size > 1 is not supported yet")
         check_devices(select_backend(load.get("backend")), replicas * tp_size)

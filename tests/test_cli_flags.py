@@ -170,6 +170,15 @@ def test_graph_knobs_with_graphs_off_are_refused(argv, no_load, capsys):
     assert f"{argv[0]} applies to device graphs (this run: --graphs off); drop one of the two" in message
 
 
+@pytest.mark.parametrize("command", [["generate", "ab"], ["bench"], ["serve"]])
+def test_expert_parallel_without_tensor_parallelism_is_refused(command, no_load, capsys):
+    """One rank holds every expert: the flag was ignored (serve and bench decoded plainly)."""
+    message = _refused([*command, "--expert-parallel"], capsys)
+    assert "--expert-parallel splits MoE experts over tensor-parallel ranks; it needs --tensor-parallel-size > 1" in (
+        message
+    )
+
+
 def test_serve_flags_are_request_defaults(no_load, capsys):
     """serve's strategy / cache flags are defaults a request can make read by choosing its own
     strategy or cache, so they pass; --precision-refresh (the server's alone) is still checked."""

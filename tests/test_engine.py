@@ -200,6 +200,24 @@ def test_bad_requests_are_refused_at_submit(embedded, ckpt_dir):
     ]
 
 
+def test_a_row_aborted_from_a_waiting_batch_stops_counting_as_waiting(embedded):
+    """Its batch stays queued (the others still wait) but the aborted row, finished at the next
+    step, is no longer counted (it was again after that step)."""
+    engine = Engine(embedded.model, max_num_seqs=2)
+    ok = embedded.encode("abcdefghij", True)
+    for _ in range(2):
+        engine.submit(ok, SamplingParams())
+    engine.step()
+    batch = engine.submit_batch([ok, ok], SamplingParams())
+    assert engine.num_waiting == 2
+    engine.abort(batch[0].id)
+    assert engine.num_waiting == 1
+    engine.step()
+    assert batch[0].finish_reason == "abort" and engine.num_waiting == 1
+    engine.run_until_idle()
+    assert batch[1].finish_reason == "stop" and engine.num_waiting == 0
+
+
 def test_streamable_text_never_holds_a_stop_string_or_a_split_character():
     assert streamable("abc|x", ("|xy",), final=False) == "abc"  # could still become "|xy"
     assert streamable("abc|xz", ("|xy",), final=False) == "abc|xz"

@@ -323,12 +323,17 @@ def test_a_failing_rank_ends_the_run_naming_it():
         ("expert_intermediate", 8, "does not divide the experts' intermediate size 12"),
         ("llada2", 3, "does not divide the 4 attention heads"),
         ("dense_expert_parallel", 2, r"expert parallelism splits MoE experts over the ranks; this model \(llada\)"),
+        ("one_rank_expert_parallel", 1, "MoE experts over tensor-parallel ranks; tensor parallel size 1 has one"),
     ],
 )
 def test_configurations_that_cannot_be_split_are_one_line_errors(ckpt_dir, tmp_path, name, world, message):
-    expert_parallel = name in ("more_ranks_than_experts", "experts_do_not_divide", "dense_expert_parallel")
+    expert_parallel = name in (
+        "more_ranks_than_experts", "experts_do_not_divide", "dense_expert_parallel", "one_rank_expert_parallel"
+    )  # fmt: skip
     if name == "dense_expert_parallel":  # a dense model has no experts to split: it was ignored
         name = "llada_gqa_sharded"
+    if name == "one_rank_expert_parallel":  # one rank holds every expert (serve's ReplicaPool ignored it)
+        name = "llada_moe"
     if name in ("more_ranks_than_experts", "expert_intermediate"):
         path = checkpoints.llada_moe(tmp_path, heads=8, head_dim=6, experts=4, top_k=2, inter=12)
     elif name == "experts_do_not_divide":

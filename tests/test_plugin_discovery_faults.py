@@ -156,6 +156,32 @@ def test_a_bad_priority_or_name_is_refused_at_registration(monkeypatch):
     assert main(["backends"]) == 0
 
 
+class VersionsRaises(Backend):
+    name, priority = "vraise", 1002
+
+    def is_available(self) -> Availability:
+        return Availability(True, "fine")
+
+    def versions(self):
+        raise KeyError("no version")
+
+
+def test_the_backends_listing_names_a_raising_backend_and_lists_the_others(monkeypatch, capsys):
+    """``dinfer-rt backends`` built each backend itself: a raising constructor was a traceback."""
+    import json
+
+    from dinfer_rt.cli import main
+
+    _plugin(monkeypatch, "raiser", CtorRaises, VersionsRaises)
+    capsys.readouterr()
+    assert main(["backends", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert "constructor raised RuntimeError: boom in __init__" in rows["ctorraise"]["reason"]
+    assert rows["vraise"]["reason"] == "plugin 'raiser' fault: KeyError: 'no version'"
+    assert not rows["ctorraise"]["available"] and not rows["vraise"]["available"]
+    assert rows["cpu"]["available"] and rows["reference"]["available"]
+
+
 # ------------------------------------------------------------------ 3. hook results
 
 

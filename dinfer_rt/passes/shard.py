@@ -80,6 +80,8 @@ def check_split(spec: ModelSpec, world: int, expert_parallel: bool = False) -> N
     if world < 1:
         raise ConfigError(f"{where}: must be >= 1")
     if world == 1:
+        if expert_parallel:  # one rank holds every expert: it would be ignored
+            raise ConfigError(f"expert parallelism splits MoE experts over tensor-parallel ranks; {where} has one")
         return
     if spec.n_heads % world:
         raise ConfigError(f"{where} does not divide the {spec.n_heads} attention heads (n_heads)")
