@@ -32,6 +32,7 @@ HUB_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "chat_template.jinja",
+    "additional_chat_templates/*.jinja",
     "*.safetensors",
     "*.safetensors.index.json",
 )
@@ -87,6 +88,8 @@ def resolve_model(
         download_dir = Path(download_dir).expanduser()
         if download_dir.exists() and not download_dir.is_dir():
             raise ConfigError(f"--download-dir {download_dir} is not a folder")
+    if download_dir is None and not use_modelscope():
+        _check_cache_env()
     if use_modelscope():
         folder = _from_modelscope(text, revision, download_dir)
         check_snapshot(folder, text, revision or "master", "ModelScope")
@@ -167,6 +170,8 @@ def _from_huggingface(repo: str, revision: str | None, download_dir: Path | None
             f"{at}: the repo exists but has no revision {revision or 'main'!r} (a branch, tag or commit): "
             "check --revision"
         ) from None
+    except _incomplete_snapshot_error() as e:  # the cache's file listing says files are missing
+        raise ConfigError(_incomplete(repo, revision, e)) from None
     except hf_errors.LocalEntryNotFoundError as e:
         raise ConfigError(_not_cached(repo, revision, cache, e)) from None
     except hf_errors.HfHubHTTPError as e:
@@ -188,6 +193,31 @@ def _from_huggingface(repo: str, revision: str | None, download_dir: Path | None
             "download): delete it and download again online, or pass --revision COMMIT"
         )
     return Path(folder)
+
+
+def _incomplete_snapshot_error() -> tuple[type[Exception], ...]:
+    """huggingface_hub's IncompleteSnapshotError (2.x: a cached snapshot its own tree listing
+    shows to miss files, raised offline); older versions lack it and return the folder as is."""
+    try:
+        from huggingface_hub.errors import IncompleteSnapshotError
+    except ImportError:
+        return ()
+    return (IncompleteSnapshotError,)
+
+
+def _incomplete(repo: str, revision: str | None, error: Exception) -> str:
+    """The line for a cached snapshot known to miss files: a dangling link or missing weights as
+    :func:`check_snapshot` names them, else the missing files the library listed."""
+    folder = Path(getattr(error, "snapshot_path", "") or ".")
+    if folder.is_dir():
+        check_snapshot(folder, repo, revision, "the Hugging Face hub")  # raises naming the file, when it can
+    missing = re.search(r"are missing \((.*?)\)\.", str(error))
+    why = "HF_HUB_OFFLINE is set" if _hf_offline() else f"the hub could not be reached ({_cause(error)})"
+    return (
+        f"{_at(repo, revision)}: the cached snapshot {folder} is incomplete (missing: "
+        f"{missing.group(1) if missing else _first_line(error)}; an interrupted download or a pruned cache) and "
+        f"{why}: download it again with network access, or point --model at a complete folder"
+    )
 
 
 def _hf_token_set() -> bool:
@@ -225,19 +255,29 @@ def _cause(error: Exception) -> str:
 
 
 def _cached_revisions(storage: Path) -> list[str]:
-    """``ref -> commit`` for every ref in the cache, then commits no ref names."""
+    """``ref -> commit`` for every ref in the cache, then commits no ref names: whole commits, as
+    ``--revision`` takes them; a ref whose snapshot is missing (an interrupted update) or whose
+    file holds more than the commit (huggingface_hub reads it verbatim) is marked."""
     refs = storage / "refs"
-    named: dict[str, str] = {}
+    named: dict[str, tuple[str, str]] = {}
     if refs.is_dir():
         for ref in sorted(p for p in refs.rglob("*") if p.is_file()):
             try:
-                named[ref.relative_to(refs).as_posix()] = ref.read_text().strip()
+                raw = ref.read_text()
             except OSError:
                 continue
+            named[ref.relative_to(refs).as_posix()] = (raw.strip(), raw)
     snaps = storage / "snapshots"
     commits = sorted(p.name for p in snaps.iterdir()) if snaps.is_dir() else []
-    rows = [f"{ref} -> {commit[:12]}" for ref, commit in named.items()]
-    rows += [c[:12] for c in commits if c not in named.values()]
+    rows = []
+    for ref, (commit, raw) in named.items():
+        note = ""
+        if raw != commit:
+            note = f" (refs/{ref} holds {raw!r:.60}: rewrite it with the commit alone)"
+        elif commit not in commits:
+            note = " (its snapshot is missing: an interrupted download)"
+        rows.append(f"{ref} -> {commit}{note}")
+    rows += [c for c in commits if c not in {commit for commit, _ in named.values()}]
     return rows
 
 
@@ -303,6 +343,18 @@ def _check_offline_env() -> None:
     if raw is not None and raw.lower() not in _BOOLEAN_WORDS:  # " 1" too: huggingface_hub strips nothing
         shown = raw if len(raw) <= 40 else raw[:40] + "..."
         raise ConfigError(f"HF_HUB_OFFLINE={shown!r} is not a boolean; use 1 (offline) or 0 (online)")
+
+
+def _check_cache_env() -> None:
+    """``HF_HUB_CACHE`` / ``HF_HOME`` set but blank: huggingface_hub reads ``Path("")``, the
+    current folder, as the cache, and would fill it (as ``--download-dir ''`` would)."""
+    for var in ("HF_HUB_CACHE", "HF_HOME"):
+        raw = os.environ.get(var)
+        if raw is not None and not raw.strip():
+            raise ConfigError(
+                f"{var} is set but empty ({raw!r}): the current folder would become the Hugging Face cache; "
+                "unset it or name a folder"
+            )
 
 
 def _env_offline() -> bool:

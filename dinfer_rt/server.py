@@ -610,6 +610,12 @@ def build_app(model, defaults: SamplingParams, config: ServeConfig, engine_threa
     from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
     config.check()
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is not None:  # a template that does not parse would fail every chat request as a 400
+        try:
+            tokenizer.compiled_chat_template()
+        except DinferError as e:
+            raise DinferError(f"serve: {e} (fix it, or pick another with --chat-template-name)") from None
     if isinstance(model, Model):  # the pool is checked before it is allocated (replicas: in cmd_serve)
         graphs = model.backend.replays_graphs() and config.engine_args.get("graphs") is not False
         check_pool(model.spec, model.dtype, model.backend.device(), config, graphs=graphs)

@@ -45,6 +45,18 @@ class Tokenizer:
         """Render with the template called ``name`` (tokenizer_config.json's list of named ones)."""
         self.chat_template, self.chat_template_source = select_chat_template(self._dir, self.config, name)
 
+    def compiled_chat_template(self):
+        """The chat template compiled (None without one); one that does not parse is a
+        ``TokenizerError`` naming its file (``serve`` asks at start-up, not at every request)."""
+        if not self.chat_template:
+            return None
+        import jinja2
+
+        try:
+            return _compiled_template(self.chat_template)
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"{self.chat_template_source}: chat_template does not parse: {e}") from None
+
     def token_id(self, token: str | dict | None) -> int | None:
         if isinstance(token, dict):  # {"content": "<|...|>", ...} form
             token = token.get("content")
@@ -138,15 +150,11 @@ class Tokenizer:
         ``chat_template_kwargs``) are visible to the template; a kwarg overrides a special token."""
         if not self.chat_template:
             raise TokenizerError(f"{self._cfg_path}: no 'chat_template'; run without chat mode")
-        import jinja2
 
         reserved = sorted(set(template_kwargs) & {"messages", "add_generation_prompt", "tools", "documents"})
         if reserved:
             raise TokenizerError(f"chat template kwarg {reserved[0]!r} is set by dinfer-rt itself; it cannot be passed")
-        try:
-            template = _compiled_template(self.chat_template)
-        except jinja2.TemplateError as e:
-            raise TokenizerError(f"{self.chat_template_source}: chat_template does not parse: {e}") from None
+        template = self.compiled_chat_template()
         # transformers passes only the special tokens that are set (an unset one stays undefined)
         specials = {k: v for k, v in self.specials.items() if v is not None}
         try:
@@ -296,8 +304,9 @@ def select_chat_template(model_dir: Path, config: dict[str, Any], name: str | No
     """The chat template transformers would use, and where it came from (for messages).
 
     Sources, in transformers' order: a ``chat_template.jinja`` file beside the tokenizer (newer
-    transformers saves it there), else tokenizer_config.json's ``chat_template``: a string, or a
-    list of ``{"name", "template"}`` objects (the ``default`` one unless ``name`` picks another).
+    transformers saves it there, its named ones in ``additional_chat_templates/<name>.jinja``),
+    else tokenizer_config.json's ``chat_template``: a string, or a list of ``{"name",
+    "template"}`` objects (the ``default`` one unless ``name`` picks another).
     A field of any other shape is a one-line error naming it."""
     cfg_path = model_dir / "tokenizer_config.json"
     jinja = model_dir / "chat_template.jinja"
@@ -309,7 +318,9 @@ def select_chat_template(model_dir: Path, config: dict[str, Any], name: str | No
             raise TokenizerError(f"{jinja}: cannot read ({getattr(e, 'strerror', None) or e})") from None
         if not text.strip():
             raise TokenizerError(f"{jinja}: the chat template file is empty")
-        return _named_single(text, name, str(jinja))
+        if name is not None and name != "default":
+            return _additional_template(model_dir, name, str(jinja))
+        return text, str(jinja)
     value = config.get("chat_template")
     where = f"{cfg_path}: field 'chat_template'"
     if value is None:
@@ -343,6 +354,30 @@ def select_chat_template(model_dir: Path, config: dict[str, Any], name: str | No
         hint = "choose one with --chat-template-name" if name is None else "check --chat-template-name"
         raise TokenizerError(f"{where} has no template named {pick!r} (it has {have}): {hint}")
     return templates[pick], f"{cfg_path} (template {pick!r})"
+
+
+ADDITIONAL_TEMPLATES = "additional_chat_templates"
+"""transformers saves named templates beside ``chat_template.jinja`` (the default) as
+``additional_chat_templates/<name>.jinja``."""
+
+
+def _additional_template(model_dir: Path, name: str, default_source: str) -> tuple[str, str]:
+    """The named template ``additional_chat_templates/<name>.jinja``, or an error listing the names."""
+    folder = model_dir / ADDITIONAL_TEMPLATES
+    have = sorted(p.stem for p in folder.glob("*.jinja")) if folder.is_dir() else []
+    if name not in have:
+        names = ", ".join(repr(n) for n in ["default", *have])
+        where = f"{default_source} and {folder}" if have else f"{default_source} (no {ADDITIONAL_TEMPLATES}/ folder)"
+        raise TokenizerError(f"chat template name {name!r} given, but {where} hold only {names}")
+    path = folder / f"{name}.jinja"
+    require_file(path, "chat template", TokenizerError, "")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+    if not text.strip():
+        raise TokenizerError(f"{path}: the chat template file is empty")
+    return text, str(path)
 
 
 def _named_single(template: str, name: str | None, source: str) -> tuple[str, str]:

@@ -98,3 +98,25 @@ def test_the_sandbox_refuses_what_transformers_refuses(tmp_path):
     tok = _tokenizer(tmp_path, "{{ messages.__class__.__mro__ }}")
     with pytest.raises(TokenizerError, match="chat_template failed"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_named_templates_transformers_saves_as_files_are_chosen_by_name(tmp_path):
+    """transformers writes the default template to chat_template.jinja and each named one to
+    additional_chat_templates/<name>.jinja; that layout refused every name but 'default'."""
+    from transformers import PreTrainedTokenizerFast
+
+    path = checkpoints.llada(tmp_path / "m")
+    hf = PreTrainedTokenizerFast.from_pretrained(path)
+    hf.chat_template = {"default": CHATML, "shout": "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"}
+    hf.save_pretrained(path)
+    assert (path / "additional_chat_templates" / "shout.jinja").is_file() and (path / "chat_template.jinja").is_file()
+    chat = [{"role": "user", "content": "abc"}]
+    for name in (None, "default", "shout"):
+        want = PreTrainedTokenizerFast.from_pretrained(path).apply_chat_template(
+            chat, tokenize=False, add_generation_prompt=True, **({} if name is None else {"chat_template": name})
+        )
+        assert Tokenizer(path, 61, chat_template_name=name).apply_chat_template(chat, add_generation_prompt=True) == (
+            want
+        ), name
+    with pytest.raises(TokenizerError, match="chat template name 'tools' given, but .* hold only 'default', 'shout'"):
+        Tokenizer(path, 61, chat_template_name="tools")

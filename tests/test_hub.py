@@ -184,7 +184,7 @@ def _no_safetensors_repo(home: Path) -> None:
         (
             REPO,
             ["--revision", "v9"],
-            ["'acme/letters'", "revision 'v9'", "cached: main -> 0123456789ab, v2 -> fedcba987654", "HF_HUB_OFFLINE"],
+            ["'acme/letters'", "revision 'v9'", f"cached: main -> {MAIN}, v2 -> {V2}", "HF_HUB_OFFLINE"],
         ),
         ("acme/pickles", [], ["'acme/pickles'", "revision 'main'", "no *.safetensors", "never loads .bin"]),
     ],
@@ -367,6 +367,15 @@ def test_download_fetches_only_safetensors_and_configs(local_hub, tmp_path, fold
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     before = len(local_hub.requests)
     assert resolve_model(REPO, download_dir=dl) == snapshot and len(local_hub.requests) == before
+    # huggingface_hub 2.x keeps the repo's file listing (trees/): a file missing from the snapshot
+    # is then its IncompleteSnapshotError, which said "that revision is not in the cache"
+    (snapshot / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError) as e:
+        resolve_model(REPO, download_dir=dl)
+    assert f"the cached snapshot {snapshot} is incomplete (missing: tokenizer.json;" in str(e.value), e.value
+    (snapshot / "model.safetensors").resolve().unlink()  # a pruned blob: named as the dangling link
+    with pytest.raises(ConfigError, match="model.safetensors links to .*, which is missing"):
+        resolve_model(REPO, download_dir=dl)
 
 
 def test_download_of_a_revision(local_hub, tmp_path):
@@ -519,6 +528,25 @@ def test_cli_resolves_once_and_keeps_the_hub_id(hf_home, monkeypatch):
     assert a.model == EMBEDDED and a.hub_id is None
 
 
+def test_the_cached_list_names_whole_commits_and_marks_refs_that_cannot_load(hf_home, monkeypatch):
+    """The list showed 12-character commits (which --revision does not take), a ref whose snapshot
+    an interrupted update never wrote as if cached, and a hand-written ref with a newline
+    (huggingface_hub reads the file verbatim) as loadable."""
+    from huggingface_hub import constants
+
+    storage = write_hub_cache(hf_home / "hub", "acme/refs", {MAIN: _model_files()}, {"main": V2})
+    (storage / "refs" / "hand").write_text(MAIN + "\n")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    with pytest.raises(ConfigError) as e:
+        resolve_model("acme/refs", revision="v9")
+    assert (
+        f"(cached: hand -> {MAIN} (refs/hand holds '{MAIN}\\n': rewrite it with the commit alone), "
+        f"main -> {V2} (its snapshot is missing: an interrupted download))"
+    ) in str(e.value), e.value
+    assert resolve_model("acme/refs", revision=MAIN) == storage / "snapshots" / MAIN  # the commit it lists
+
+
 def test_an_empty_ref_file_is_named(hf_home, monkeypatch):
     """refs/main with no commit in it (an interrupted download): huggingface_hub joins "" to the
     snapshots folder; the error names the ref file, not a missing config.json."""
@@ -549,6 +577,16 @@ def test_hf_hub_offline_must_be_a_boolean(hf_home):
         assert f"HF_HUB_OFFLINE={value!r} is not a boolean; use 1 (offline) or 0 (online)" in line, line
     ok = run_cli([*ARGS, "--model", REPO], {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "True"})
     assert ok.returncode == 0, ok.stderr  # a spelling huggingface_hub takes is fine
+
+
+@pytest.mark.parametrize("var", ["HF_HUB_CACHE", "HF_HOME"])
+def test_an_empty_hub_cache_variable_is_refused(var, tmp_path, monkeypatch):
+    """huggingface_hub read ``HF_HUB_CACHE=''`` as the current folder and downloaded into it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(var, "")
+    with pytest.raises(ConfigError, match=f"{var} is set but empty \\(''\\): the current folder would become"):
+        resolve_model(REPO)
+    assert not list(tmp_path.iterdir())
 
 
 def test_an_empty_download_dir_is_refused(hf_home, monkeypatch):

@@ -448,3 +448,20 @@ def test_a_server_wide_schedule_or_guidance_answers_as_offline_and_a_request_can
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     finally:
         s.stop()
+
+
+def test_a_chat_template_that_does_not_parse_stops_the_server_at_start_up(tmp_path):
+    """It loaded, then every chat request was a 400 blaming the client's ``messages``."""
+    import shutil
+
+    from dinfer_rt.server import ServeConfig, build_app
+
+    folder = tmp_path / "broken"
+    shutil.copytree(default_model_path(), folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{% for %}"}))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    broken = dinfer_rt.load_model(folder, backend="cpu")  # completions alone never render it: it loads
+    with pytest.raises(DinferError, match="serve: .*tokenizer_config.json: chat_template does not parse") as e:
+        build_app(broken, SamplingParams(), ServeConfig(max_num_seqs=1), engine_thread=False)
+    assert str(e.value).endswith("(fix it, or pick another with --chat-template-name)")
