@@ -47,6 +47,17 @@ def is_hub_id(text: str) -> bool:
     return bool(_REPO_ID.fullmatch(text)) and ".." not in text and not text.endswith((".", "-"))
 
 
+_HUB_URL = re.compile(r"(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co|modelscope\.cn/models)/", re.IGNORECASE)
+
+
+def _near_hub_id(text: str) -> str | None:
+    """The hub id a mistyped one stands for (a model page's URL, spaces around it, a trailing
+    slash), or None: Path() would fold ``https://`` to ``https:/`` and name a missing folder."""
+    near = _HUB_URL.sub("", text.strip(), count=1).rstrip("/")
+    near = re.sub(r"/(?:tree|blob)/[^/]+(?:/.*)?$", "", near)  # a page of a branch or a file
+    return near if near != text and is_hub_id(near) else None
+
+
 def use_modelscope() -> bool:
     """``DINFER_USE_MODELSCOPE``: only ``0/1/true/false`` (any case); other values are refused."""
     raw = os.environ.get(DINFER_USE_MODELSCOPE, "").strip().lower()
@@ -72,6 +83,11 @@ def resolve_model(
     ``what`` names where the value came from in messages (a flag or an environment variable)."""
     text = str(model)
     path = Path(text).expanduser()
+    if not path.exists() and not is_hub_id(text) and (near := _near_hub_id(text)) is not None:
+        raise ConfigError(
+            f"{what} {text[:200]!r} is no folder here, and it looks like the hub id {near!r}: write it as "
+            "ORG/NAME (no URL, spaces or trailing slash)"
+        )
     if path.exists() or not is_hub_id(text):
         if revision is not None:
             raise ConfigError(

@@ -147,9 +147,12 @@ class Tokenizer:
         """The conversation as the model's chat template renders it, exactly as transformers'
         ``apply_chat_template(..., tokenize=False)`` does: the special tokens the config names
         and ``template_kwargs`` (e.g. SDAR's ``enable_thinking=False``; vLLM's
-        ``chat_template_kwargs``) are visible to the template; a kwarg overrides a special token."""
+        ``chat_template_kwargs``) are visible to the template; a kwarg overrides a special token.
+        ``messages`` must be a list of objects with a string ``role`` and ``content``: templates
+        drop or print anything else as text (a bare string rendered as an empty chat)."""
         if not self.chat_template:
             raise TokenizerError(f"{self._cfg_path}: no 'chat_template'; run without chat mode")
+        _check_messages(messages)
 
         reserved = sorted(set(template_kwargs) & {"messages", "add_generation_prompt", "tools", "documents"})
         if reserved:
@@ -171,6 +174,23 @@ class Tokenizer:
             raise TokenizerError(
                 f"{self.chat_template_source}: chat_template failed: {type(e).__name__}: {e}"
             ) from None
+
+
+def _check_messages(messages: object) -> None:
+    """What a chat template can render: ``[{"role": str, "content": str, ...}, ...]``."""
+    if not isinstance(messages, (list, tuple)):
+        raise TokenizerError(
+            f"apply_chat_template: messages must be a list of {{'role', 'content'}} objects, got "
+            f"{type(messages).__name__} {_short(messages)}"
+        )
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise TokenizerError(f"apply_chat_template: messages[{i}] must be an object, got {type(m).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                got = "no such key" if key not in m else f"{type(m[key]).__name__} {_short(m[key])}"
+                hint = " (join a list of text parts into one string)" if isinstance(m.get(key), list) else ""
+                raise TokenizerError(f"apply_chat_template: messages[{i}]['{key}'] must be a string, got {got}{hint}")
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -120,3 +120,25 @@ def test_named_templates_transformers_saves_as_files_are_chosen_by_name(tmp_path
         ), name
     with pytest.raises(TokenizerError, match="chat template name 'tools' given, but .* hold only 'default', 'shout'"):
         Tokenizer(path, 61, chat_template_name="tools")
+
+
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        ("What is 2+2?", "messages must be a list of {'role', 'content'} objects, got str 'What is 2+2?'"),
+        (["hi"], "messages[0] must be an object, got str"),
+        ([{"role": "user"}], "messages[0]['content'] must be a string, got no such key"),
+        ([{"role": "user", "content": None}], "messages[0]['content'] must be a string, got NoneType None"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+            "got list [{'type': 'text', 'text': 'a'}] (join a list of text parts into one string)",
+        ),
+        ([{"role": 1, "content": "a"}], "messages[0]['role'] must be a string, got int 1"),
+    ],
+)
+def test_messages_a_template_cannot_render_are_refused(tmp_path, messages, message):
+    """Templates drop or print them: a bare string rendered as an empty chat, None as 'None'."""
+    tok = _tokenizer(tmp_path, CHATML)
+    with pytest.raises(TokenizerError) as e:
+        tok.apply_chat_template(messages)
+    assert message in str(e.value), e.value

@@ -114,6 +114,25 @@ def test_hub_ids_are_told_apart_from_paths():
         assert not is_hub_id(path), path
 
 
+@pytest.mark.parametrize(
+    "typed",
+    [
+        "https://huggingface.co/GSAI-ML/LLaDA-8B-Instruct",  # Path() folded it to 'https:/huggingface.co/...'
+        "hf.co/GSAI-ML/LLaDA-8B-Instruct/tree/main",
+        "GSAI-ML/LLaDA-8B-Instruct/",
+        " GSAI-ML/LLaDA-8B-Instruct",
+    ],
+)
+def test_a_mistyped_hub_id_is_named_with_the_id_it_looks_like(typed, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        resolve_model(typed)
+    assert str(e.value) == (
+        f"--model {typed!r} is no folder here, and it looks like the hub id 'GSAI-ML/LLaDA-8B-Instruct': "
+        "write it as ORG/NAME (no URL, spaces or trailing slash)"
+    )
+
+
 def test_generate_by_hub_id_equals_the_folder_run(hf_home, folder_texts):
     hub = run_cli([*ARGS, "--model", REPO], _offline(hf_home))
     assert _texts(hub) == folder_texts
