@@ -97,6 +97,7 @@ class Executable:
             )
             steps.append(Step(kernel, ins, outs, dict(node.attrs), free))
         self.steps = steps
+        self._sources = dict(sources)
         self.n_slots = len(slot)
         self.base = [base.get(i) for i in range(self.n_slots)]
         self.output_slots = [(name, slot_of(v)) for name, v in graph.outputs.items()]
@@ -127,17 +128,20 @@ class Executable:
 
         args = ", ".join(f"s{s}" for _, _, s in self.input_slots)
         lines = [f"def program({args}):"]
+        self._line_step: dict[int, int] = {}  # a line of the program -> its step (a fault names the node)
         for n, st in enumerate(self.steps):
             ns[f"k{n}"] = st.kernel
             call = ", ".join([val(i) for i in st.inputs] + [f"{k}={const(v)}" for k, v in st.attrs.items()])
             outs = ", ".join(f"s{o}" for o in st.outputs)
             lines.append(f"    {outs} = k{n}({call})")
+            self._line_step[len(lines)] = n
             if st.free:
                 lines.append("    del " + ", ".join(f"s{f}" for f in st.free))
         rets = ", ".join(val(s) for _, s in self.output_slots)
         lines.append(f"    return ({rets},)")
         source = "\n".join(lines) + "\n"
-        code = compile(source, f"<dinfer-rt {self.backend} {self.graph.name}>", "exec")
+        self._filename = f"<dinfer-rt {self.backend} {self.graph.name}>"
+        code = compile(source, self._filename, "exec")
         exec(code, ns)  # noqa: S102 (our own generated source, built from the graph above)
         return source, ns["program"]
 
@@ -182,15 +186,52 @@ class Executable:
 
     def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         self.check_inputs(inputs)
-        return dict(zip(self.output_names, self.run(*[inputs[name] for name in self.input_names])))
+        try:
+            outs = self.run(*[inputs[name] for name in self.input_names])
+        except DinferError:
+            raise
+        except Exception as e:  # a kernel raised: name its node and op (the program has no source file)
+            step = self._failed_step(e)
+            if step is None:
+                raise
+            if isinstance(e, RuntimeError):  # torch's own (OOM, a lost peer's collective): callers catch the type
+                e.add_note(self._fault(step, e))
+                raise
+            raise BackendError(self._fault(step, e)) from e  # a porter's kernel: wrong signature, types, ...
+        return dict(zip(self.output_names, outs))
+
+    def _failed_step(self, e: BaseException) -> int | None:
+        """The step whose kernel call raised ``e`` (the innermost program frame of its traceback)."""
+        if self.mode != "generated":
+            return getattr(e, "_dinfer_step", None)
+        tb, step = e.__traceback__, None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == self._filename:
+                step = self._line_step.get(tb.tb_lineno, step)
+            tb = tb.tb_next
+        return step
+
+    def _fault(self, step: int, e: BaseException) -> str:
+        node = self.graph.nodes[step]
+        kernel = self.steps[step].kernel
+        name = getattr(kernel, "__qualname__", type(kernel).__name__)
+        return (
+            f"{self.backend}: the kernel for IR op {node.op!r} ({self._sources.get(node.op, 'native')}: {name}) "
+            f"raised {type(e).__name__}: {e} (graph {self.graph.name}, node {step} of {len(self.graph.nodes)}, "
+            f"{len([v for v in node.inputs if v is not None])} inputs, attrs {dict(node.attrs)})"
+        )
 
     def _interpret(self, *args: torch.Tensor) -> tuple:
         """The steps run one by one from the slot list: what the generated code must equal."""
         env: list[Any] = list(self.base)
         for (_, _, s), t in zip(self.input_slots, args):
             env[s] = t
-        for st in self.steps:
-            result = st.kernel(*(None if i < 0 else env[i] for i in st.inputs), **st.attrs)
+        for n, st in enumerate(self.steps):
+            try:
+                result = st.kernel(*(None if i < 0 else env[i] for i in st.inputs), **st.attrs)
+            except Exception as e:
+                e._dinfer_step = n  # which step, for __call__'s message
+                raise
             if len(st.outputs) == 1:
                 env[st.outputs[0]] = result
             else:

@@ -385,13 +385,25 @@ def _gather(reg: Registry, backend: Backend) -> Contributions:
             reg._fault(PluginFailure(plugin, f"returned a kernel table that {why}", "dinfer_rt_register_kernels"))
             continue
         kernels.append((plugin, dict(table)))
+    from dinfer_rt.passes import default_pipeline
+
     passes = []
+    taken = {p.name: "the shared pipeline" for p in default_pipeline()}  # counts, dumps and disabling go by name
     for plugin, listed in reg.typed("dinfer_rt_register_passes", list, **who):
         if (bad := next((p for p in listed if not isinstance(p, Pass)), None)) is not None:
             why = f"returned {type(bad).__name__} {bad!r:.40} in its list, expected dinfer_rt.passes.Pass objects"
             reg._fault(PluginFailure(plugin, why, "dinfer_rt_register_passes"))
             continue
-        passes += listed
+        for p in listed:
+            if p.name in taken:
+                why = (
+                    f"returned pass {p.name!r}, a name {taken[p.name]} already uses (its rewrite count, "
+                    "DINFER_DISABLE_PASSES and IR dumps go by name): give it its own name; this pass is skipped"
+                )
+                reg._fault(PluginFailure(plugin, why, "dinfer_rt_register_passes"))
+                continue
+            taken[p.name] = f"plugin {plugin!r}"
+            passes.append(p)
     launch: dict[str, dict] = {}
     for plugin, table in reversed(reg.typed("dinfer_rt_launch_config", dict, **who, arch=backend.arch)):
         if (bad := next(((k, v) for k, v in table.items() if not isinstance(v, Mapping)), None)) is not None:

@@ -227,3 +227,22 @@ def test_a_miscased_backend_gets_a_suggestion(monkeypatch):
         BackendError, match="unknown backend 'CPU' from DINFER_BACKEND='CPU' \\(did you mean 'cpu'\\?\\)"
     ):
         plugins.select_backend()
+
+
+def test_a_plugin_pass_under_a_name_already_used_is_skipped_with_a_warning(monkeypatch):
+    """porting.md's example pass, copied as is, is named add_rms_norm: it ran after the shipped
+    one and overwrote that pass's rewrite count with its own 0."""
+    from dinfer_rt.passes import Pass
+
+    mine = Pass("mychip_fuse", "fusion", lambda graph, ctx: 0)
+
+    def dinfer_rt_register_passes(backend_name):
+        return [Pass("add_rms_norm", "fusion", lambda g, c: 0), mine, Pass("mychip_fuse", "fusion", lambda g, c: 0)]
+
+    _plugin(monkeypatch, "dup", dinfer_rt_register_passes=dinfer_rt_register_passes)
+    with pytest.warns(RuntimeWarning) as caught:
+        backend = plugins.select_backend("cpu")
+    said = " | ".join(str(w.message) for w in caught)
+    assert "returned pass 'add_rms_norm', a name the shared pipeline already uses" in said, said
+    assert "returned pass 'mychip_fuse', a name plugin 'dup' already uses" in said, said
+    assert backend.contributions.passes == (mine,)

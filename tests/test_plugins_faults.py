@@ -115,6 +115,51 @@ def test_the_executor_refuses_a_non_callable_kernel_when_it_compiles():
         Executable(graph, table, model.weights, backend="cpu")
 
 
+@pytest.mark.parametrize("mode", ["generated", "interpreted"])
+def test_a_kernel_that_raises_is_named_by_its_op_and_node(mode):
+    """The generated program has no source file: a porter's kernel with a wrong signature was a
+    bare TypeError traceback ending in ``<dinfer-rt cpu llada>, line 3``, naming no op."""
+    from dinfer_rt.executor import Executable
+
+    model = dinfer_rt.load_model(backend="cpu")
+    graph = model.executable(cached=False).graph
+    table = {op: k for op, (k, _) in plugins.select_backend("cpu").kernel_table().items()}
+    at = next(i for i, n in enumerate(graph.nodes) if n.op == "rms_norm")
+
+    def rms_norm_typo(x, weight, epsilon=1e-6):  # the IR passes eps=
+        return x
+
+    table["rms_norm"] = rms_norm_typo
+    exe = Executable(graph, table, model.weights, backend="cpu", sources={"rms_norm": "plugin:mychip"}, mode=mode)
+    t = 5
+    inputs = {
+        "input_ids": torch.zeros(1, t, dtype=torch.long), "positions": torch.arange(t)[None],
+        "token_index": torch.arange(t), "key_valid": torch.ones(1, t, dtype=torch.bool),
+    }  # fmt: skip
+    with pytest.raises(BackendError) as e:
+        exe(inputs)
+    message = str(e.value)
+    assert message.startswith(
+        "cpu: the kernel for IR op 'rms_norm' (plugin:mychip: "
+        "test_a_kernel_that_raises_is_named_by_its_op_and_node.<locals>.rms_norm_typo) raised TypeError: "
+    ), message
+    assert "unexpected keyword argument 'eps'" in message and f"node {at} of {len(graph.nodes)}" in message
+    assert isinstance(e.value.__cause__, TypeError)
+
+    def rms_norm_lost(x, weight, eps):  # torch's RuntimeErrors (OOM, a lost peer) keep their type, noted
+        raise RuntimeError("Connection closed by peer")
+
+    table["rms_norm"] = rms_norm_lost
+    exe = Executable(graph, table, model.weights, backend="cpu", sources={"rms_norm": "plugin:mychip"}, mode=mode)
+    with pytest.raises(RuntimeError, match="Connection closed by peer") as e:
+        exe(inputs)
+    assert e.value.__notes__ == [
+        f"cpu: the kernel for IR op 'rms_norm' (plugin:mychip: {rms_norm_lost.__qualname__}) raised RuntimeError: "
+        f"Connection closed by peer (graph {graph.name}, node {at} of {len(graph.nodes)}, 2 inputs, "
+        f"attrs {dict(graph.nodes[at].attrs)})"
+    ]
+
+
 # ---------------------------------------------------------------- 3. op names the IR does not have
 
 

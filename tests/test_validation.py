@@ -242,3 +242,57 @@ def test_validate_fails_a_misspelt_op_once_instead_of_passing_on_the_fallback(ra
     from dinfer_rt.validation.markdown import render
 
     assert "Kernel table: BackendError" in render(report)
+
+
+def test_a_linear_kernel_that_needs_a_bias_argument_fails_conformance():
+    """The lowered graphs call linear with two inputs; every case passed a bias (or None), so a
+    ``linear(x, weight, bias)`` kernel passed conformance and broke every model."""
+    from dinfer_rt.backends.cpu.backend import CpuBackend
+    from dinfer_rt.validation.conformance import run_case
+    from dinfer_rt.validation.opdb import cases
+
+    class NeedsBias(CpuBackend):
+        def kernel_table(self):
+            table = dict(super().kernel_table())
+            table["linear"] = (lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias), "plugin:t")
+            return table
+
+    quick = [c for c in cases(quick=True) if c.op == "linear"]
+    results = {c.bucket: run_case(c, NeedsBias(), torch.float32, {}, {}) for c in quick}
+    assert results["bias-odd"].status == "pass"
+    assert results["two-inputs"].status == "error" and "missing 1 required positional argument: 'bias'" in (
+        results["two-inputs"].detail
+    )
+
+
+def test_the_report_names_claimed_dtypes_no_check_ran():
+    """A backend claiming float16 passed validate's default float32,bfloat16 run with no word
+    that its float16 claim went unchecked (generate --dtype float16 then crashed)."""
+    from dinfer_rt.validation.markdown import dtype_line
+    from dinfer_rt.validation.runner import dtype_coverage
+
+    cov = dtype_coverage(plugins.select_backend("reference"), [torch.float32, torch.bfloat16])
+    assert cov == {"checked": ["float32"], "not_claimed": ["bfloat16"], "claimed_unchecked": ["float64"]}
+    assert dtype_line(cov) == (
+        "dtypes checked: float32; requested, not claimed by the backend (skipped): bfloat16; "
+        "claimed, not checked (add them to --dtypes): float64"
+    )
+    cpu = dtype_coverage(plugins.select_backend("cpu"), [torch.float32])
+    assert cpu["claimed_unchecked"] == ["bfloat16", "float16", "float64"] and not cpu["not_claimed"]
+
+
+def test_a_backend_that_compiles_whole_graphs_is_told_what_op_conformance_covered():
+    """Its op rows ran kernel_table() (for the ONNX Runtime plugin: the reference, 44 passes),
+    not the graphs compile() builds: the report says so instead of implying they were checked."""
+    from dinfer_rt.backends.cpu.backend import CpuBackend
+    from dinfer_rt.validation.runner import compile_notes
+
+    class WholeGraph(CpuBackend):
+        name = "wholegraph"
+
+        def compile(self, graph, weights):
+            return super().compile(graph, weights)
+
+    assert compile_notes(CpuBackend()) == []
+    (note,) = compile_notes(WholeGraph())
+    assert note.startswith("wholegraph overrides compile(): op conformance and coverage checked its kernel_table()")

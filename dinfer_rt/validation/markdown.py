@@ -7,6 +7,16 @@ def _f(v: float) -> str:
     return f"{v:.2e}" if isinstance(v, float) else str(v)
 
 
+def dtype_line(dts: dict[str, list[str]]) -> str:
+    """What op conformance checked, skipped and left unchecked (``runner.dtype_coverage``)."""
+    line = f"dtypes checked: {', '.join(dts['checked']) or 'none'}"
+    if dts["not_claimed"]:
+        line += f"; requested, not claimed by the backend (skipped): {', '.join(dts['not_claimed'])}"
+    if dts["claimed_unchecked"]:
+        line += f"; claimed, not checked (add them to --dtypes): {', '.join(dts['claimed_unchecked'])}"
+    return line
+
+
 def render(report: dict) -> str:
     h = report["header"]
     out = [
@@ -17,7 +27,8 @@ def render(report: dict) -> str:
         f"- command: `{h['command']}`",
         f"- seed: {h['seed']}; quick: {report['quick']}; dtypes: {', '.join(report['dtypes'])}",
         f"- DINFER_* env: {h['env'] or 'none'}",
-        f"- plugins: {h['plugins'] or 'none'}",
+        f"- plugins loaded: {', '.join(h.get('loaded_plugins', [])) or 'none'}; "
+        f"their environment facts: {h['plugins'] or 'none'}",
         *[f"- plugin failure: {f}" for f in h.get("plugin_failures", [])],
         "",
     ]
@@ -37,13 +48,15 @@ def render(report: dict) -> str:
                 *[f"- {u}" for u in r["unexpected_passes"]],
                 "",
             ]
+        out += [*[f"Note: {n}" for n in r.get("notes", [])], *([""] if r.get("notes") else [])]
         cov = r["coverage"]
         out += [f"### Coverage: {cov['native_node_fraction']:.0%} of the embedded model's nodes on native kernels", ""]
         if "error" in cov:
             out += [f"Kernel table: {cov['error']}", ""]
+        out += ["### Op conformance (vs float64 reference)", ""]
+        if dts := r.get("dtypes"):
+            out += [dtype_line(dts), ""]
         out += [
-            "### Op conformance (vs float64 reference)",
-            "",
             "| op | bucket | dtype | status | max rel err | tolerance | kernel | detail |",
             "|---|---|---|---|---|---|---|---|",
         ]

@@ -134,6 +134,8 @@ def cases(quick: bool = False) -> list[OpCase]:
             float_inputs=(0, 1, 2),
         ),
         OpCase("linear", "size1", lambda g: [_r(g, 1, 1, 16), _r(g, 8, 16, scale=0.25), None], float_inputs=(0, 1)),
+        # the lowered graphs call linear without a bias input at all (two arguments, not None)
+        OpCase("linear", "two-inputs", lambda g: [_r(g, 2, 3, 16), _r(g, 8, 16, scale=0.25)], float_inputs=(0, 1)),
         _linear_wq_case("int8-bias", "int8", bias=True),
         _linear_wq_case("fp8", "fp8", bias=False),
         OpCase("linear_gptq", "g16-act-order", _gptq_inputs, {"zero_offset": 1}, float_inputs=(0, 3)),
@@ -266,8 +268,9 @@ def cases(quick: bool = False) -> list[OpCase]:
     if not quick:
         return c
     kept, seen = [], set()
-    for case in c:  # quick: the first bucket of each op, plus every padded or cache-splicing attention
-        if case.op not in seen or "pad" in case.bucket or "cache" in case.bucket:
+    for case in c:  # quick: the first bucket of each op, plus every padded or cache-splicing attention,
+        # plus every call form the lowered graphs use (linear with two inputs)
+        if case.op not in seen or "pad" in case.bucket or "cache" in case.bucket or case.bucket == "two-inputs":
             kept.append(case)
             seen.add(case.op)
     return kept

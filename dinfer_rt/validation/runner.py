@@ -114,7 +114,8 @@ def header(backends: list[Backend], env: dict[str, str]) -> dict:
             }
             for b in backends
         ],
-        "plugins": env_info(),
+        "plugins": env_info(),  # the facts plugins report (dinfer_rt_env_info)
+        "loaded_plugins": sorted(set(registry().plugin_of.values())),
         # every plugin fault recorded so far (discovery, and the selections above)
         "plugin_failures": [f"{f.name} ({f.hook or 'not loaded'}): {f.reason}" for f in registry().failures],
         "env": env,
@@ -189,6 +190,31 @@ def family_checks(backend: Backend, path: Path, dtype: torch.dtype) -> dict:
     }
 
 
+def compile_notes(backend: Backend) -> list[str]:
+    """What the report must say of a backend that compiles whole graphs itself (``compile``
+    overridden, as a whole-graph runtime plugin does): op conformance and coverage read its
+    ``kernel_table()``, which its compiled graphs need not run; the model checks run ``compile``."""
+    if type(backend).compile is Backend.compile:
+        return []
+    return [
+        f"{backend.name} overrides compile(): op conformance and coverage checked its kernel_table() "
+        "(the kernels a per-op executable would run), not the graphs compile() builds; the fused-vs-unfused "
+        "and model checks below run compile() and are what cover it"
+    ]
+
+
+def dtype_coverage(backend: Backend, dtypes: list[torch.dtype]) -> dict[str, list[str]]:
+    """Which requested dtypes op conformance checks, which it skips (the backend does not claim
+    them) and which the backend claims that nobody asked for: a claim is only as good as a run
+    that checked it, so the report says which claims went unchecked (``--dtypes`` adds them)."""
+    claimed = list(backend.capabilities().dtypes)
+    return {
+        "checked": [DTYPE_NAMES[d] for d in dtypes if d in claimed],
+        "not_claimed": [DTYPE_NAMES[d] for d in dtypes if d not in claimed],
+        "claimed_unchecked": [DTYPE_NAMES[d] for d in claimed if d not in dtypes and d in DTYPE_NAMES],
+    }
+
+
 def validate_backend(backend: Backend, dtypes: list[torch.dtype], quick: bool, bar) -> dict:
     """Every section for ``backend``, each check guarded. A plugin fault met while its
     contributions were gathered fails it too: the backend did not run what its porter wrote."""
@@ -201,6 +227,8 @@ def validate_backend(backend: Backend, dtypes: list[torch.dtype], quick: bool, b
         out |= {"conformance": [], "passes": {"passed": False, "rows": []}, "models": {}, "precision": {"rows": []}}
         return out | {"performance": skipped, "unexpected_passes": [], "failures": failed, "verdict": "fail"}
     emulated = backend.emulation()  # an interpreter or a simulation: no timings, fewer accuracy items
+    out["dtypes"] = dtype_coverage(backend, dtypes)
+    out["notes"] = compile_notes(backend)
     out["conformance"] = run_conformance(backend, dtypes, quick, progress=lambda: bar.update(0))
     bar.update(1)
     dtype = torch.float32 if torch.float32 in backend.capabilities().dtypes else backend.capabilities().dtypes[0]
