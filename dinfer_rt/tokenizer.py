@@ -331,13 +331,7 @@ def select_chat_template(model_dir: Path, config: dict[str, Any], name: str | No
     cfg_path = model_dir / "tokenizer_config.json"
     jinja = model_dir / "chat_template.jinja"
     if jinja.exists() or jinja.is_symlink():
-        require_file(jinja, "chat_template.jinja", TokenizerError, "")
-        try:
-            text = jinja.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise TokenizerError(f"{jinja}: cannot read ({getattr(e, 'strerror', None) or e})") from None
-        if not text.strip():
-            raise TokenizerError(f"{jinja}: the chat template file is empty")
+        text = _template_file(jinja, "chat_template.jinja")
         if name is not None and name != "default":
             return _additional_template(model_dir, name, str(jinja))
         return text, str(jinja)
@@ -390,14 +384,19 @@ def _additional_template(model_dir: Path, name: str, default_source: str) -> tup
         where = f"{default_source} and {folder}" if have else f"{default_source} (no {ADDITIONAL_TEMPLATES}/ folder)"
         raise TokenizerError(f"chat template name {name!r} given, but {where} hold only {names}")
     path = folder / f"{name}.jinja"
-    require_file(path, "chat template", TokenizerError, "")
+    return _template_file(path, "chat template"), str(path)
+
+
+def _template_file(path: Path, what: str) -> str:
+    """A template file's text: readable, UTF-8, not blank (each problem named with the path)."""
+    require_file(path, what, TokenizerError, "")
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise TokenizerError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
     if not text.strip():
         raise TokenizerError(f"{path}: the chat template file is empty")
-    return text, str(path)
+    return text
 
 
 def _named_single(template: str, name: str | None, source: str) -> tuple[str, str]:
